@@ -1,0 +1,131 @@
+"""Turn a source checkpoint's tensors into an MLA state dict and config.
+
+Every source tensor is either consumed (q/k/v/o projections) or copied under the same
+name; every target tensor is checked against the shape the MLA model expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..mla_model.configuration_mla import MLAConfig
+from .families import LAYER_PREFIX
+from .mla_layer import AttentionWeights, MLAWeights
+from .source import Source
+
+__all__ = ["ATTN_PROJ", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_DROP_CONFIG_KEYS = (
+    "architectures", "model_type", "auto_map", "quantization_config", "sliding_window", "use_sliding_window",
+    "max_window_layers", "layer_types", "transformers_version", "_name_or_path", "attention_bias", "dtype",
+    "torch_dtype",
+)
+
+
+def _augmented(source: Source, prefix: str, name: str, with_bias: bool) -> torch.Tensor:
+    weight = source.tensor(f"{prefix}self_attn.{name}.weight").double()
+    bias = source.tensor(f"{prefix}self_attn.{name}.bias").double() if with_bias else None
+    if bias is None:
+        bias = torch.zeros(weight.shape[0], dtype=torch.float64)
+    return torch.cat([weight, bias[:, None]], dim=1)
+
+
+def read_attention(source: Source, layer: int, shape: dict) -> AttentionWeights:
+    prefix = LAYER_PREFIX.format(i=layer)
+    qkv_bias = shape["qkv_bias"]
+    o_bias = source.tensor(f"{prefix}self_attn.o_proj.bias") if shape["o_bias"] else None
+    return AttentionWeights(
+        q=_augmented(source, prefix, "q_proj", qkv_bias),
+        k=_augmented(source, prefix, "k_proj", qkv_bias),
+        v=_augmented(source, prefix, "v_proj", qkv_bias),
+        o=source.tensor(f"{prefix}self_attn.o_proj.weight"),
+        o_bias=o_bias,
+        num_heads=shape["num_heads"],
+        num_kv_heads=shape["num_kv_heads"],
+        head_dim=shape["head_dim"],
+    )
+
+
+def mla_layer_tensors(layer: int, w: MLAWeights, dtype: torch.dtype, q_bias: bool, kv_a_bias: bool) -> dict:
+    p = LAYER_PREFIX.format(i=layer) + "self_attn."
+    out = {
+        f"{p}q_proj.weight": w.q_proj[:, :-1],
+        f"{p}kv_a_proj_with_mqa.weight": w.kv_a_proj_with_mqa[:, :-1],
+        f"{p}kv_b_proj.weight": w.kv_b_proj,
+        f"{p}o_proj.weight": w.o_proj,
+    }
+    if q_bias:
+        out[f"{p}q_proj.bias"] = w.q_proj[:, -1]
+    if kv_a_bias:
+        out[f"{p}kv_a_proj_with_mqa.bias"] = w.kv_a_proj_with_mqa[:, -1]
+    if w.o_bias is not None:
+        out[f"{p}o_proj.bias"] = w.o_bias
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
+def copied_tensors(source: Source, num_layers: int, tie_embeddings: bool) -> Iterable[str]:
+    """Names of source tensors that pass through unchanged (everything but attention projections)."""
+    consumed = {
+        LAYER_PREFIX.format(i=i) + f"self_attn.{proj}.{kind}"
+        for i in range(num_layers)
+        for proj in ATTN_PROJ
+        for kind in ("weight", "bias")
+    }
+    for name in source.tensor_names():
+        if name in consumed or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if tie_embeddings and name == "lm_head.weight":
+            continue
+        yield name
+
+
+def mla_config(source_config, shape: dict, layers: list[MLAWeights], dtype: torch.dtype) -> MLAConfig:
+    base = {k: v for k, v in source_config.to_dict().items() if k not in _DROP_CONFIG_KEYS}
+    base["head_dim"] = shape["head_dim"]
+    ranks = [w.kv_lora_rank for w in layers]
+    rope_dims = [w.rope_dim for w in layers]
+    uniform = len(set(ranks)) == 1 and len(set(rope_dims)) == 1
+    kv_a_bias = shape["qkv_bias"]
+    config = MLAConfig(
+        **base,
+        kv_lora_rank=ranks[0] if uniform else ranks,
+        qk_rope_head_dim=rope_dims[0] if uniform else rope_dims,
+        qk_nope_head_dim=shape["head_dim"],
+        v_head_dim=shape["head_dim"],
+        rope_freq_index=[w.freq_index for w in layers],
+        softmax_scale=shape["head_dim"] ** -0.5,
+        q_proj_bias=shape["qkv_bias"],
+        kv_a_proj_bias=kv_a_bias,
+        o_proj_bias=shape["o_bias"],
+        attention_window=shape["window"],
+    )
+    config.architectures = ["MLAForCausalLM"]
+    setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
+    return config
+
+
+def model_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of the MLA model for CONFIG (built on the meta device: no memory)."""
+    from ..mla_model.modeling_mla import MLAForCausalLM
+
+    with torch.device("meta"):
+        model = MLAForCausalLM(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_shapes(config: MLAConfig, state: dict) -> None:
+    """Strict transfer: the state dict has exactly the model's tensors, with their shapes."""
+    expected = model_shapes(config)
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise RuntimeError(f"converted state dict does not match the MLA model: missing {missing[:5]}, extra {extra[:5]}")
+    for name, shp in expected.items():
+        if tuple(state[name].shape) != shp:
+            raise RuntimeError(f"{name}: converted shape {tuple(state[name].shape)} != model shape {shp}")

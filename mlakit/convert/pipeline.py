@@ -1,0 +1,172 @@
+"""Orchestration of one conversion: open source -> plan -> factorize -> assemble -> write -> verify."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .assemble import check_shapes, copied_tensors, mla_config, mla_layer_tensors, read_attention
+from .families import attention_shape
+from .low_rank import full_rank, weight_svd
+from .mla_layer import convert_attention
+from .rope_split import high_frequency_plan
+from .source import Source, open_source
+from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
+
+__all__ = ["ConvertOptions", "ConversionError", "convert", "resolve_dtype", "check_ranks"]
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ConversionError(ValueError):
+    """A conversion setting does not fit the source model; the message names the allowed values."""
+
+
+@dataclass
+class ConvertOptions:
+    kv_lora_rank: int | str = "full"
+    rope_dim: int | str = "full"
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    overwrite: bool = False
+    verify: bool = True
+    quiet: bool = False
+
+
+def resolve_dtype(name: str, source_config) -> torch.dtype:
+    if name == "auto":
+        src = getattr(source_config, "dtype", None) or getattr(source_config, "torch_dtype", None)
+        if isinstance(src, torch.dtype):
+            return src if src in DTYPES.values() else torch.float32
+        return DTYPES.get(str(src).replace("torch.", ""), torch.float32)
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_ranks(opts: ConvertOptions, shape: dict) -> tuple[int, int]:
+    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim)."""
+    G, d = shape["num_kv_heads"], shape["head_dim"]
+    rope_full = G * d
+    if opts.rope_dim == "full":
+        rope_dim = rope_full
+    else:
+        rope_dim = int(opts.rope_dim)
+        if not 0 <= rope_dim <= rope_full:
+            raise ConversionError(f"--rope-dim must be 'full' or an even integer in [0, {rope_full}] "
+                                  f"({G} KV heads x head_dim {d}); got {rope_dim}")
+        if rope_dim % 2:
+            raise ConversionError(f"--rope-dim must be even (rotary dims come in pairs); got {rope_dim}, "
+                                  f"try {rope_dim - 1} or {rope_dim + 1}")
+    rank_full = 2 * G * d - rope_dim
+    if opts.kv_lora_rank == "full":
+        return rank_full, rope_dim
+    rank = int(opts.kv_lora_rank)
+    if not 1 <= rank <= rank_full:
+        raise ConversionError(f"--kv-lora-rank must be 'full' or an integer in [1, {rank_full}] "
+                              f"(2 x {G} KV heads x head_dim {d} minus rope dim {rope_dim}); got {rank}")
+    return rank, rope_dim
+
+
+def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
+    return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
+
+
+def _convert_tensors(source: Source, shape: dict, rank: int, rope_dim: int, dtype, quiet: bool):
+    config = source.config
+    n_layers = config.num_hidden_layers
+    G, d = shape["num_kv_heads"], shape["head_dim"]
+    full = rank == 2 * G * d - rope_dim
+
+    def factorize(w_y):
+        return full_rank(w_y) if full else weight_svd(w_y, rank)
+
+    state, layers = {}, []
+    for i in _progress(range(n_layers), "converting layers", quiet):
+        plan = high_frequency_plan(G, d, rope_dim)
+        mla = convert_attention(read_attention(source, i, shape), plan, factorize)
+        state.update(mla_layer_tensors(i, mla, dtype, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"]))
+        layers.append(mla)
+    tie = bool(getattr(config, "tie_word_embeddings", False))
+    for name in copied_tensors(source, n_layers, tie):
+        state[name] = source.tensor(name).to(dtype).contiguous()
+    return state, layers
+
+
+def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> dict:
+    """Convert SRC into an MLA checkpoint at OUT; returns the conversion report."""
+    opts = opts or ConvertOptions()
+    torch.manual_seed(opts.seed)
+    start = time.time()
+    out = Path(out)
+    if out.exists() and not opts.overwrite:
+        raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
+    source = open_source(src)
+    shape = attention_shape(source.config)
+    rank, rope_dim = check_ranks(opts, shape)
+    dtype = resolve_dtype(opts.dtype, source.config)
+    state, layers = _convert_tensors(source, shape, rank, rope_dim, dtype, opts.quiet)
+    config = mla_config(source.config, shape, layers, dtype)
+    check_shapes(config, state)
+    config.auto_map = dict(AUTO_MAP)
+    report = {
+        "source": str(src),
+        "source_architecture": shape["family"],
+        "settings": asdict(opts) | {"dtype": str(dtype).replace("torch.", "")},
+        "source_kv_values_per_token_per_layer": 2 * shape["num_kv_heads"] * shape["head_dim"],
+        "layers": [
+            {"layer": i, "kv_lora_rank": w.kv_lora_rank, "qk_rope_head_dim": w.rope_dim, "rope_freq_index": w.freq_index}
+            for i, w in enumerate(layers)
+        ],
+    }
+    report["kv_values_per_token"] = sum(w.kv_lora_rank + w.rope_dim for w in layers)
+    report["source_kv_values_per_token"] = report["source_kv_values_per_token_per_layer"] * len(layers)
+    with atomic_output(out, opts.overwrite) as tmp:
+        save_state_dict(state, tmp)
+        config.to_json_file(str(tmp / "config.json"), use_diff=False)
+        write_modeling_code(tmp)
+        _write_tokenizer_files(source, config, tmp)
+        if opts.verify:
+            report["verify"] = verify(src, tmp, opts.device)
+        report["seconds"] = round(time.time() - start, 2)
+        write_json(tmp / "conversion.json", report)
+    log.info("wrote %s in %.1f s", out, time.time() - start)
+    return report
+
+
+def _write_tokenizer_files(source: Source, config, directory: Path) -> None:
+    from transformers import GenerationConfig
+
+    tokenizer = source.tokenizer()
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+    gen_path = source.directory / "generation_config.json" if source.directory else None
+    if gen_path is not None and gen_path.is_file():
+        GenerationConfig.from_pretrained(str(source.directory)).save_pretrained(str(directory))
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(str(directory))
+
+
+@torch.no_grad()
+def verify(src: str, converted_dir: Path, device: str = "cpu", n_tokens: int = 32) -> dict:
+    """Logits of source and converted model on the same fixed tokens (float32)."""
+    from ..mla_model import load_converted
+    from .source import load_source_model
+
+    original, _ = load_source_model(src, torch.float32, device)
+    converted = load_converted(converted_dir, torch.float32, device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, original.config.vocab_size, (1, n_tokens), generator=gen).to(device)
+    a, b = original(ids).logits, converted(ids).logits
+    diff = (a - b).abs()
+    return {"tokens": n_tokens, "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
+            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
