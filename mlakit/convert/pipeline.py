@@ -136,7 +136,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> di
         write_modeling_code(tmp)
         _write_tokenizer_files(source, config, tmp)
         if opts.verify:
-            report["verify"] = verify(src, tmp, opts.device)
+            report["verify"] = verify(source, tmp, opts.device)
         report["seconds"] = round(time.time() - start, 2)
         write_json(tmp / "conversion.json", report)
     log.info("wrote %s in %.1f s", out, time.time() - start)
@@ -157,12 +157,11 @@ def _write_tokenizer_files(source: Source, config, directory: Path) -> None:
 
 
 @torch.no_grad()
-def verify(src: str, converted_dir: Path, device: str = "cpu", n_tokens: int = 32) -> dict:
+def verify(source: Source, converted_dir: Path, device: str = "cpu", n_tokens: int = 32) -> dict:
     """Logits of source and converted model on the same fixed tokens (float32)."""
     from ..mla_model import load_converted
-    from .source import load_source_model
 
-    original, _ = load_source_model(src, torch.float32, device)
+    original = source.load_model(torch.float32, device)
     converted = load_converted(converted_dir, torch.float32, device)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, original.config.vocab_size, (1, n_tokens), generator=gen).to(device)

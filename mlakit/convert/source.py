@@ -57,6 +57,23 @@ class Source:
     gguf_file: Path | None = None
     _tensors: dict = field(default_factory=dict, repr=False)
     _shards: dict = field(default_factory=dict, repr=False)  # name -> safetensors file
+    _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
+
+    def load_model(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        """The source as a plain transformers causal LM, in eval mode."""
+        from transformers import AutoModelForCausalLM
+
+        if self._model is not None:
+            model = self._model.to(dtype)
+        elif self.gguf_file is not None:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(self.gguf_file.parent), gguf_file=self.gguf_file.name, dtype=dtype
+            )
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(self.directory), dtype=dtype)
+        return model.to(device).eval()
 
     def tensor_names(self) -> list[str]:
         return sorted(set(self._tensors) | set(self._shards))
@@ -191,21 +208,14 @@ def _open_gguf(path: Path, spec: str) -> Source:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state)
+    return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state, _model=model)
 
 
 def load_source_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load SPEC as a plain transformers causal LM and its tokenizer (None if it has none)."""
-    from transformers import AutoModelForCausalLM
-
     kind, path = resolve_source(spec)
     if kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        tokenizer = Source(spec=str(spec), config=model.config, gguf_file=path).tokenizer()
+        source = Source(spec=str(spec), config=None, gguf_file=path)
     else:
-        _read_config(path, str(spec))
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        tokenizer = Source(spec=str(spec), config=model.config, directory=path).tokenizer()
-    return model.to(device).eval(), tokenizer
+        source = Source(spec=str(spec), config=_read_config(path, str(spec)), directory=path)
+    return source.load_model(dtype, device), source.tokenizer()

@@ -41,6 +41,8 @@ def _output(cls, cache, **fields):
 
 
 class MLAAttention(nn.Module):
+    absorb_decode = True  # single-token steps over the raw latent; False forces the expanded path
+
     def __init__(self, config: MLAConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -80,7 +82,7 @@ class MLAAttention(nn.Module):
         if cache is not None:
             c_kv, k_rope = cache.update(c_kv[:, None], k_rope[:, None], self.layer_idx)
             c_kv, k_rope = c_kv[:, 0], k_rope[:, 0]  # (B, T, r), (B, T, d_R): views, no copy
-        if S == 1 and attention_mask is not None and attention_mask.decode_bounds is not None:
+        if S == 1 and self.absorb_decode and attention_mask is not None and attention_mask.decode_bounds is not None:
             out = self._absorbed(q_nope[:, :, 0], q_rope[:, :, 0], c_kv, k_rope, *attention_mask.decode_bounds)
             out = out.reshape(B, 1, H * self.v_head_dim)
         else:

@@ -1,0 +1,24 @@
+"""`mla-convert`: a thin click entry point; each command parses, validates and calls one function."""
+
+from __future__ import annotations
+
+import click
+
+from .commands.common import setup_logging
+from .commands.convert_cmd import convert_command
+
+__all__ = ["cli", "main"]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mlakit")
+def cli():
+    """Convert GQA/MHA checkpoints into Multi-head Latent Attention (MLA) models."""
+
+
+cli.add_command(convert_command)
+
+
+def main():
+    setup_logging(0)
+    cli()

@@ -1,0 +1,146 @@
+"""`mla-convert convert`: the happy path and every bad input named in the docs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import GPT2Config, Qwen3Config
+
+from mlakit.cli import cli
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, ["convert", *map(str, args), "-q"])
+    return result.exit_code, result.output + (str(result.exception) if result.exception else "")
+
+
+def test_convert_writes_complete_checkpoint(tiny_sources, tmp_path):
+    out = tmp_path / "out"
+    code, text = run(tiny_sources["llama_gqa"], out, "--kv-lora-rank", 24, "--rope-dim", 8, "--dtype", "float32")
+    assert code == 0, text
+    summary = json.loads(text[text.index("{"):])
+    assert summary["kv_values_per_token_per_layer"] == 32 and summary["source_kv_values_per_token_per_layer"] == 64
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "conversion.json", "generation_config.json",
+            "modeling_mla.py", "configuration_mla.py", "decode_reference.py", "decode_dispatch.py"} <= names
+    report = json.loads((out / "conversion.json").read_text())
+    assert [lay["kv_lora_rank"] for lay in report["layers"]] == [24, 24]
+    assert report["settings"]["kv_lora_rank"] == 24 and report["settings"]["rope_dim"] == 8
+    weights = load_file(str(out / "model.safetensors"))
+    assert weights["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].shape == (24 + 8, 64)
+    assert weights["model.layers.0.self_attn.kv_b_proj.weight"].shape == (4 * 2 * 16, 24)
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_existing_output_needs_overwrite(tiny_sources, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    code, text = run(tiny_sources["llama_gqa"], out)
+    assert code == 1 and "already exists" in text and "--overwrite" in text
+    assert (out / "keep.txt").exists()
+    code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--no-verify")
+    assert code == 0, text
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+
+
+def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypatch):
+    import mlakit.convert.pipeline as pipeline
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "write_modeling_code", boom)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.convert(str(tiny_sources["llama_gqa"]), tmp_path / "out", pipeline.ConvertOptions(quiet=True))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--kv-lora-rank", 0], "--kv-lora-rank must be 'full' or an integer in [1, 32]"),
+        (["--kv-lora-rank", 200], "in [1, 32]"),
+        (["--rope-dim", 8, "--kv-lora-rank", 57], "in [1, 56]"),
+        (["--rope-dim", 7], "--rope-dim must be even"),
+        (["--rope-dim", 34], "--rope-dim must be 'full' or an even integer in [0, 32]"),
+        (["--kv-lora-rank", "abc"], "neither an integer nor 'full'"),
+    ],
+)
+def test_rank_and_rope_dim_ranges(tiny_sources, tmp_path, args, message):
+    code, text = run(tiny_sources["llama_gqa"], tmp_path / "out", *args)
+    assert code != 0 and message in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_source(tmp_path):
+    code, text = run(tmp_path / "nowhere", tmp_path / "out")
+    assert code == 1 and "does not exist" in text
+
+
+def test_directory_without_config(tmp_path):
+    (tmp_path / "src").mkdir()
+    code, text = run(tmp_path / "src", tmp_path / "out")
+    assert code == 1 and "has no config.json" in text
+
+
+@pytest.mark.parametrize(
+    "config, arch, extra",
+    [(GPT2Config(n_layer=1), "GPT2LMHeadModel", ""),
+     (Qwen3Config(num_hidden_layers=1), "Qwen3ForCausalLM", "normalises q and k")],
+)
+def test_unsupported_architecture(tmp_path, config, arch, extra):
+    config.architectures = [arch]
+    config.save_pretrained(tmp_path / "src")
+    code, text = run(tmp_path / "src", tmp_path / "out")
+    assert code == 1 and f"architecture {arch} is not supported" in text and extra in text
+    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in text
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_safetensors(tiny_sources, tmp_path, damage):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_sources["llama_gqa"], src)
+    weights = src / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\x00garbage" * 10 if damage == "garbage" else data[: len(data) // 2])
+    code, text = run(src, tmp_path / "out")
+    assert code == 1 and "corrupt or truncated" in text and "re-download" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickle_checkpoint_loads_with_weights_only(tiny_sources, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_sources["llama_gqa"], src)
+    state = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    torch.save(state, src / "pytorch_model.bin")
+    code, text = run(src, tmp_path / "out", "--dtype", "float32")
+    assert code == 0, text
+    assert json.loads(text[text.index("{"):])["verify"]["max_abs_logit_diff"] < 1e-4
+
+
+class _NotATensor:  # a pickle that weights_only=True must refuse
+    pass
+
+
+def test_unsafe_pickle_is_refused(tiny_sources, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_sources["llama_gqa"], src)
+    (src / "model.safetensors").unlink()
+    torch.save({"x": _NotATensor()}, src / "pytorch_model.bin")
+    code, text = run(src, tmp_path / "out")
+    assert code == 1 and "cannot be loaded safely with weights_only=True" in text
+
+
+def test_hub_id_offline_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, text = run("someorg/some-model", tmp_path / "out")
+    assert code == 1 and "could not fetch 'someorg/some-model'" in text and "--local-dir" in text

