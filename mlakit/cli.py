@@ -5,7 +5,9 @@ from __future__ import annotations
 import click
 
 from .commands.common import setup_logging
+from .commands.bench_cmd import bench_command
 from .commands.convert_cmd import convert_command
+from .commands.eval_cmd import eval_command
 
 __all__ = ["cli", "main"]
 
@@ -16,7 +18,8 @@ def cli():
     """Convert GQA/MHA checkpoints into Multi-head Latent Attention (MLA) models."""
 
 
-cli.add_command(convert_command)
+for command in (convert_command, eval_command, bench_command):
+    cli.add_command(command)
 
 
 def main():

@@ -1,0 +1,157 @@
+"""Text SPEC resolution (builtin / file / hf:) and seeded calibration windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlakit import data
+from mlakit.data import DataSpecError, builtin_topic_split, calibration_batches, load_text, tokenize_text
+from tests.eval_helpers import char_tokenizer
+
+
+def test_builtin_split_is_disjoint_deterministic_and_covers_all_topics():
+    from pydoc_data.topics import topics
+
+    split = builtin_topic_split()
+    assert set(split["eval"]).isdisjoint(split["calib"])
+    assert set(split["eval"]) | set(split["calib"]) == set(topics)
+    assert split == builtin_topic_split()
+    assert 0 < len(split["eval"]) < len(split["calib"])
+
+
+def test_builtin_text_per_role():
+    ev, cal = load_text("builtin", "eval"), load_text("builtin", "calib")
+    assert ev == load_text("builtin", "eval")
+    assert len(ev) > 50_000 and len(cal) > 200_000
+    # no topic's text appears in both roles
+    from pydoc_data.topics import topics
+
+    for key in builtin_topic_split()["eval"]:
+        assert topics[key].strip()[:200] not in cal
+
+
+def test_bad_role():
+    with pytest.raises(ValueError, match="role"):
+        load_text("builtin", "train")
+
+
+def test_local_file(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("hello world\nsecond line", encoding="utf-8")
+    assert load_text(str(f), "eval") == "hello world\nsecond line"
+    assert load_text(str(f), "calib") == "hello world\nsecond line"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda p: str(p / "missing.txt"), "no file of that name"),
+        (lambda p: str(p), "is a directory"),
+        (lambda p: (p / "empty.txt").write_text("  \n") and str(p / "empty.txt"), "gave no text"),
+        (lambda p: (p / "bin.txt").write_bytes(b"\xff\xfe\xfa") and str(p / "bin.txt"), "not valid UTF-8"),
+        (lambda p: "", "empty"),
+    ],
+)
+def test_bad_specs_name_spec_and_fix(tmp_path, make, match):
+    spec = make(tmp_path)
+    with pytest.raises(DataSpecError, match=match) as info:
+        load_text(spec, "eval")
+    assert repr(spec) in str(info.value) or spec == ""
+    assert "builtin" in str(info.value) or "UTF-8" in str(info.value) or "one .txt" in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+class _FakeDataset:
+    def __init__(self, rows, columns=("text",)):
+        self.column_names = list(columns)
+        self._rows = rows
+
+    def __getitem__(self, key):
+        assert key == "text"
+        return self._rows
+
+
+def test_hf_spec_joins_text_column(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(name, config=None, split=None):
+        calls.append((name, config, split))
+        return _FakeDataset(["a", "", "b"])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert load_text("hf:wikitext:wikitext-2-raw-v1:validation", "eval") == "a\n\nb"
+    assert load_text("hf:wikitext:wikitext-2-raw-v1", "eval") == "a\n\nb"
+    assert load_text("hf:wikitext", "calib") == "a\n\nb"
+    assert calls == [
+        ("wikitext", "wikitext-2-raw-v1", "validation"),
+        ("wikitext", "wikitext-2-raw-v1", "test"),
+        ("wikitext", None, "train"),
+    ]
+
+
+def test_hf_unreachable_is_a_clear_error(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataSpecError) as info:
+        load_text("hf:wikitext:wikitext-2-raw-v1:test", "eval")
+    msg = str(info.value)
+    assert "'hf:wikitext:wikitext-2-raw-v1:test'" in msg and "builtin" in msg and "local text file" in msg
+
+
+def test_hf_without_text_column(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: _FakeDataset([], columns=("sentence",)))
+    with pytest.raises(DataSpecError, match="no 'text' column"):
+        load_text("hf:glue:sst2", "eval")
+
+
+@pytest.mark.parametrize("spec", ["hf:", "hf:a::b", "hf:a:b:c:d"])
+def test_hf_malformed(spec):
+    with pytest.raises(DataSpecError, match="malformed"):
+        load_text(spec, "eval")
+
+
+def test_calibration_batches_are_seeded_windows():
+    tok = char_tokenizer()
+    a = calibration_batches(tok, "builtin", n_samples=8, seq_len=32, seed=0)
+    b = calibration_batches(tok, "builtin", n_samples=8, seq_len=32, seed=0)
+    c = calibration_batches(tok, "builtin", n_samples=8, seq_len=32, seed=1)
+    assert a.shape == (8, 32) and a.dtype == torch.long
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    ids = tokenize_text(tok, load_text("builtin", "calib"))
+    text_windows = ids.unfold(0, 32, 1)
+    for row in a:  # every sample is a contiguous window of the calibration text
+        assert (text_windows == row).all(dim=1).any()
+    assert len({tuple(r.tolist()) for r in a}) == 8
+
+
+def test_calibration_text_too_short(tmp_path):
+    f = tmp_path / "short.txt"
+    f.write_text("tiny", encoding="utf-8")
+    with pytest.raises(DataSpecError, match="has 4 tokens, fewer than one window of seq_len=16"):
+        calibration_batches(char_tokenizer(), str(f), n_samples=2, seq_len=16, seed=0)
+
+
+def test_calibration_more_samples_than_windows(tmp_path):
+    f = tmp_path / "small.txt"
+    f.write_text("abcdefgh", encoding="utf-8")
+    out = calibration_batches(char_tokenizer(), str(f), n_samples=10, seq_len=6, seed=3)
+    assert out.shape == (10, 6)
+    assert torch.equal(out, calibration_batches(char_tokenizer(), str(f), n_samples=10, seq_len=6, seed=3))
+
+
+def test_calibration_bad_sizes():
+    with pytest.raises(ValueError, match="n_samples"):
+        calibration_batches(char_tokenizer(), "builtin", n_samples=0, seq_len=8, seed=0)
+
+
+def test_module_exports():
+    assert set(data.__all__) >= {"DataSpecError", "load_text", "calibration_batches"}
