@@ -2,11 +2,11 @@
 
 Source maps are bias-augmented: W~ = [W | b] acts on x~ = [x; 1].
 
-- mixed keys  m_{c,j} = sum_g U_j[c, g] k_{g,j}            (per frequency j, complex)
-- k_rope      = kept mixed components, rotated at their own frequency
+- mixed keys  m_c = sum_a U[c, a] k_a over a = (g, jl) in one frequency group (see rope_split)
+- k_rope      = kept mixed components, rotated at their representative frequency
 - y           = [dropped mixed components (real, imag); v]  -> c_kv = down x~, y ~= up c_kv
-- q_rope_i    = U_j[c, g(i)] q_{i,j} for every kept (c, j)  (scores unchanged since U_j is orthogonal)
-- k_nope_i[j] = sum over dropped (c, j) of U_j[c, g(i)] m_{c,j} (read by the unrotated q_i)
+- q_rope_i    = sum_jl U[c, (g(i), jl)] q_{i, jl} for every kept c (scores unchanged: U is orthogonal)
+- k_nope_i[j] = sum over dropped c of U[c, (g(i), j)] m_c  (read by the unrotated q_i)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from .rope_split import RopePlan
 
-__all__ = ["AttentionWeights", "MLAWeights", "convert_attention", "nope_value_map"]
+__all__ = ["AttentionWeights", "MLAWeights", "convert_attention", "nope_key_coefficients", "nope_value_map"]
 
 
 @dataclass
@@ -49,19 +49,21 @@ class MLAWeights:
 
 def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     c = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-    j = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-    return c, j
+    g = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+    return c, g
 
 
 def _mixed_keys(w: AttentionWeights, plan: RopePlan) -> torch.Tensor:
-    G, d = w.num_kv_heads, w.head_dim
-    k4 = w.k.double().view(G, 2, d // 2, -1)  # (G, re/im, d/2, D+1)
-    return torch.einsum("jcg,ghjx->chjx", plan.mixing.double(), k4)  # (G comps, 2, d/2, D+1)
+    """Mixed key components per frequency group: (groups, G*fold, re/im, D+1)."""
+    G, d, f = w.num_kv_heads, w.head_dim, plan.fold
+    n_grp = d // 2 // f
+    k = w.k.double().view(G, 2, n_grp, f, -1).permute(2, 0, 3, 1, 4).reshape(n_grp, G * f, 2, -1)
+    return torch.einsum("nca,nahx->nchx", plan.mixing.double(), k)
 
 
 def _rows(mixed: torch.Tensor, pairs) -> torch.Tensor:
-    c, j = _index(pairs)
-    picked = mixed[c, :, j]  # (n, 2, D+1)
+    c, g = _index(pairs)
+    picked = mixed[g, c]  # (n, 2, D+1)
     return picked.transpose(0, 1).reshape(2 * len(pairs), mixed.shape[-1])  # real parts, then imaginary parts
 
 
@@ -70,17 +72,33 @@ def nope_value_map(w: AttentionWeights, plan: RopePlan) -> torch.Tensor:
     return torch.cat([_rows(_mixed_keys(w, plan), plan.dropped), w.v.double()], dim=0)
 
 
+def _coefficients(plan: RopePlan, pairs, num_kv_heads: int) -> torch.Tensor:
+    """U[grp, c, (g, jl)] for each pair, as (n, G, fold)."""
+    c, g = _index(pairs)
+    return plan.mixing.double()[g, c].view(len(pairs), num_kv_heads, plan.fold)
+
+
+def nope_key_coefficients(plan: RopePlan, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """C (G, d/2, n_drop): KV head g's unrotated key at frequency j is sum_q C[g, j, q] m_q over dropped
+    components (real and imaginary parts alike)."""
+    dropped, f = plan.dropped, plan.fold
+    C = torch.zeros(num_kv_heads, head_dim // 2, len(dropped), dtype=torch.float64)
+    if dropped:
+        _, dg = _index(dropped)
+        rows = dg[:, None] * f + torch.arange(f)  # (n_drop, fold): source frequency of each part
+        C[:, rows, torch.arange(len(dropped))[:, None]] = _coefficients(plan, dropped, num_kv_heads).permute(1, 0, 2)
+    return C
+
+
 def convert_attention(
     w: AttentionWeights,
     plan: RopePlan,
     factorize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
 ) -> MLAWeights:
     """Build the MLA layer; ``factorize(W_y) -> (down, up)`` chooses the latent."""
-    H, G, d = w.num_heads, w.num_kv_heads, w.head_dim
-    half = d // 2
+    H, G, d, f = w.num_heads, w.num_kv_heads, w.head_dim, plan.fold
+    n_grp = d // 2 // plan.fold
     group = torch.arange(H) // (H // G)  # KV head read by each query head
-    mixing = plan.mixing.double()
-    mixed = _mixed_keys(w, plan)
     dropped = plan.dropped
     n_drop = len(dropped)
 
@@ -88,26 +106,23 @@ def convert_attention(
     down, up = down.double(), up.double()
     r = down.shape[0]
 
-    # queries: unrotated part is the source q_i; rotary part scaled by U_j[c, g(i)]
-    kc, kj = _index(plan.kept)
-    q4 = w.q.double().view(H, 2, half, -1)
-    coef = mixing[kj, kc][:, group].T  # (H, n_kept)
+    # queries: the unrotated part is the source q_i; the rotary part of kept component (c, grp)
+    # is sum over jl of U[grp, c, (g(i), jl)] q_i at frequency grp*fold + jl
     cols = w.q.shape[1]
-    q_rope = (coef[:, None, :, None] * q4[:, :, kj, :]).reshape(H, plan.rope_dim, cols)
+    _, kg = _index(plan.kept)
+    coef = _coefficients(plan, plan.kept, G)[:, group].permute(1, 0, 2)  # (H, n_kept, fold)
+    q5 = w.q.double().view(H, 2, n_grp, f, cols)[:, :, kg]  # (H, 2, n_kept, fold, D+1)
+    q_rope = torch.einsum("ipl,ihplx->ihpx", coef, q5).reshape(H, plan.rope_dim, cols)
     q_proj = torch.cat([w.q.double().view(H, d, cols), q_rope], dim=1).reshape(H * (d + plan.rope_dim), cols)
 
-    # kv_b: per head, NoPE key rows gather the dropped components it reads; value rows select its group
-    dc, dj = _index(dropped)
+    # kv_b: NoPE key rows of KV head g gather the dropped components through C[g] (d/2 x n_drop);
+    # value rows select the head's group
+    C = nope_key_coefficients(plan, G, d)
     up_k, up_v = up[: 2 * n_drop], up[2 * n_drop :]
-    k_nope = torch.zeros(H, 2, half, r, dtype=torch.float64)
-    if n_drop:
-        dcoef = mixing[dj, dc][:, group].T  # (H, n_drop)
-        k_nope[:, 0].index_add_(1, dj, dcoef[:, :, None] * up_k[:n_drop][None])
-        k_nope[:, 1].index_add_(1, dj, dcoef[:, :, None] * up_k[n_drop:][None])
-    values = up_v.reshape(G, d, r)[group]  # (H, d, r)
-    kv_b = torch.cat([k_nope.reshape(H, d, r), values], dim=1).reshape(H * 2 * d, r)
+    k_nope = torch.cat([C @ up_k[:n_drop], C @ up_k[n_drop:]], dim=1)  # (G, d, r): real rows, imaginary rows
+    kv_b = torch.cat([k_nope[group], up_v.reshape(G, d, r)[group]], dim=1).reshape(H * 2 * d, r)
 
-    kv_a = torch.cat([down, _rows(mixed, plan.kept)], dim=0)  # (r + d_R, D+1)
+    kv_a = torch.cat([down, _rows(_mixed_keys(w, plan), plan.kept)], dim=0)  # (r + d_R, D+1)
     return MLAWeights(
         q_proj=q_proj,
         kv_a_proj_with_mqa=kv_a,
@@ -116,5 +131,5 @@ def convert_attention(
         o_bias=w.o_bias,
         kv_lora_rank=r,
         rope_dim=plan.rope_dim,
-        freq_index=plan.freq_index,
+        freq_index=list(plan.freq_index),
     )

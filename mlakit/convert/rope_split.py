@@ -1,9 +1,12 @@
 """Which rotary components stay rotary (the shared key ``k_rope``) and how KV heads are mixed.
 
-HF rotary layout: dims (j, j + d/2) of a head form one complex number rotating at
-frequency j (j = 0 is the highest). For every frequency j the G key heads' components may
-be mixed by a real orthogonal U_j (G x G) without changing any score (DESIGN.md, math 2);
-a plan keeps some mixed components (c, j) rotary and lets the rest lose their rotation.
+HF rotary layout: dims (j, j + d/2) of a head form one complex number rotating at frequency
+j (j = 0 is the highest). Frequencies are grouped ``fold`` at a time (FreqFold; fold=1 is
+exact). Within a group the G x fold complex key components a = (g, jl) may be mixed by a real
+orthogonal U (rows: mixed components c, columns: a). Mixing changes no score: query head i
+takes coefficient U[c, (g(i), jl)] on mixed component c. A plan keeps some mixed components
+rotary, rotating at one representative source frequency; the rest lose their rotation and
+join the latent. With fold=1 the kept part of RoPE is exact.
 """
 
 from __future__ import annotations
@@ -17,41 +20,40 @@ __all__ = ["RopePlan", "full_rope_plan", "high_frequency_plan"]
 
 @dataclass
 class RopePlan:
-    """``mixing[j]`` is U_j (rows: mixed components c, columns: source KV heads g);
-    ``kept`` lists the (c, j) pairs kept rotary, in the order of the k_rope dims."""
+    """``mixing[grp]`` is U (G*fold x G*fold, orthogonal); ``kept`` lists (c, grp) pairs in k_rope order
+    and ``freq_index`` the source frequency each kept component rotates at."""
 
-    mixing: torch.Tensor  # (d/2, G, G) float64, orthogonal per frequency
+    mixing: torch.Tensor  # (d/2/fold, G*fold, G*fold) float64
     kept: list[tuple[int, int]]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.mixing.shape[1]
+    freq_index: list[int]
+    fold: int = 1
 
     @property
     def rope_dim(self) -> int:
         return 2 * len(self.kept)
 
     @property
-    def freq_index(self) -> list[int]:
-        return [j for _, j in self.kept]
-
-    @property
     def dropped(self) -> list[tuple[int, int]]:
         kept = set(self.kept)
-        half, G = self.mixing.shape[0], self.mixing.shape[1]
-        return [(c, j) for j in range(half) for c in range(G) if (c, j) not in kept]
+        n_grp, n_comp = self.mixing.shape[0], self.mixing.shape[1]
+        return [(c, g) for g in range(n_grp) for c in range(n_comp) if (c, g) not in kept]
 
     def __post_init__(self):
-        half, G = self.mixing.shape[0], self.mixing.shape[1]
+        n_grp, n_comp = self.mixing.shape[0], self.mixing.shape[1]
         if len(set(self.kept)) != len(self.kept):
             raise ValueError("a rotary component is kept twice")
-        for c, j in self.kept:
-            if not (0 <= c < G and 0 <= j < half):
-                raise ValueError(f"kept component {(c, j)} is outside {G} heads x {half} frequencies")
+        if len(self.freq_index) != len(self.kept):
+            raise ValueError("every kept component needs one frequency")
+        for (c, g), j in zip(self.kept, self.freq_index):
+            if not (0 <= c < n_comp and 0 <= g < n_grp):
+                raise ValueError(f"kept component {(c, g)} is outside {n_comp} components x {n_grp} groups")
+            if not g * self.fold <= j < (g + 1) * self.fold:
+                raise ValueError(f"kept component {(c, g)} rotates at frequency {j}, outside its group")
 
 
-def _identity(G: int, head_dim: int) -> torch.Tensor:
-    return torch.eye(G, dtype=torch.float64).expand(head_dim // 2, G, G).clone()
+def identity_mixing(num_kv_heads: int, head_dim: int, fold: int = 1) -> torch.Tensor:
+    n = num_kv_heads * fold
+    return torch.eye(n, dtype=torch.float64).expand(head_dim // 2 // fold, n, n).clone()
 
 
 def high_frequency_plan(num_kv_heads: int, head_dim: int, rope_dim: int) -> RopePlan:
@@ -60,8 +62,8 @@ def high_frequency_plan(num_kv_heads: int, head_dim: int, rope_dim: int) -> Rope
     full = num_kv_heads * head_dim
     if rope_dim % 2 or not 0 <= rope_dim <= full:
         raise ValueError(f"rope dim must be even and in [0, {full}], got {rope_dim}")
-    order = [(c, j) for j in range(head_dim // 2) for c in range(num_kv_heads)]
-    return RopePlan(_identity(num_kv_heads, head_dim), order[: rope_dim // 2])
+    order = [(c, j) for j in range(head_dim // 2) for c in range(num_kv_heads)][: rope_dim // 2]
+    return RopePlan(identity_mixing(num_kv_heads, head_dim), order, [j for _, j in order])
 
 
 def full_rope_plan(num_kv_heads: int, head_dim: int) -> RopePlan:

@@ -1,0 +1,58 @@
+"""One layer's compression decisions: rotary subspace, then latent factorisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layer_metrics import LayerMetrics
+from .low_rank import LOWRANK_METHODS, bkv_metric, full_rank, metric_factor, output_metric, weight_svd
+from .mla_layer import AttentionWeights, MLAWeights, convert_attention
+from .rope_select import ROPE_METHODS, select_rope
+from .rope_split import RopePlan, high_frequency_plan
+
+__all__ = ["Method", "compress_layer", "layer_plan", "factorizer"]
+
+
+@dataclass(frozen=True)
+class Method:
+    rope: str = "scored"
+    lowrank: str = "rrr"
+    fold: int = 1
+    mixing: str = "pca"
+
+    def __post_init__(self):
+        if self.rope not in ROPE_METHODS:
+            raise ValueError(f"rope method {self.rope!r} is not one of {', '.join(ROPE_METHODS)}")
+        if self.lowrank not in LOWRANK_METHODS:
+            raise ValueError(f"low-rank method {self.lowrank!r} is not one of {', '.join(LOWRANK_METHODS)}")
+        if self.mixing not in ("pca", "none"):
+            raise ValueError(f"mixing {self.mixing!r} is not one of pca, none")
+        if self.fold < 1:
+            raise ValueError("fold must be at least 1")
+
+
+def layer_plan(w: AttentionWeights, m: LayerMetrics | None, method: Method, rope_dim: int) -> RopePlan:
+    full = w.num_kv_heads * w.head_dim
+    if m is None or rope_dim == full:
+        return high_frequency_plan(w.num_kv_heads, w.head_dim, rope_dim)
+    return select_rope(method.rope, w, m, rope_dim, fold=method.fold, mixing=method.mixing)
+
+
+def factorizer(w: AttentionWeights, m: LayerMetrics | None, method: Method, plan: RopePlan, rank: int):
+    """The function W_y -> (down, up) for this layer's settings."""
+    n_rows = 2 * w.num_kv_heads * w.head_dim - plan.rope_dim
+    if rank == n_rows:
+        return full_rank
+    if m is None or method.lowrank == "svd":
+        return lambda w_y: weight_svd(w_y, rank)
+    if method.lowrank == "bkv_pca":
+        n_key_rows = n_rows - w.num_kv_heads * w.head_dim
+        return lambda w_y: metric_factor(w_y, m.sigma, bkv_metric(w_y, m.sigma, n_key_rows), rank)
+    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
+    return lambda w_y: metric_factor(w_y, m.sigma, metric, rank)
+
+
+def compress_layer(w: AttentionWeights, m: LayerMetrics | None, method: Method, rope_dim: int,
+                   rank: int) -> MLAWeights:
+    plan = layer_plan(w, m, method, rope_dim)
+    return convert_attention(w, plan, factorizer(w, m, method, plan, rank))

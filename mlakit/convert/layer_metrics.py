@@ -1,0 +1,82 @@
+"""Second-moment quantities of one layer, all linear images of E[x~ x~^T] (pure tensor math).
+
+Error model (first order in the attention): a logit error e on key s moves head i's output by
+p_s e (v_s - o), so E||dout||^2 ~ scale^2 * E[sum_s p_s^2 e_s^2] * out_i with
+out_i = E||W_O,i (v - E v)||^2; a value error e_v moves it by p_s W_O,i e_v. Every error below
+is in these units (squared residual-stream output), so the RoPE split, the low-rank step and
+the rank planner trade them against each other directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .calibration import LayerStats
+from .mla_layer import AttentionWeights
+
+__all__ = ["LayerMetrics", "layer_metrics", "psd_power"]
+
+
+@dataclass
+class LayerMetrics:
+    sigma: torch.Tensor  # (X, X) E[x~ x~^T], X = D+1
+    query_energy: torch.Tensor  # (H, d/2) E|q_ij|^2
+    key_energy: torch.Tensor  # (G, d/2) E|k_gj|^2
+    head_weight: torch.Tensor  # (H,) scale^2 * out_i: output^2 per unit of squared logit error
+    rho: torch.Tensor  # (H,) E[sum_s p_s^2]
+    lag_p2: torch.Tensor  # (H, L) E[p^2] by lag
+    inv_freq: torch.Tensor  # (d/2,)
+    query_moment: torch.Tensor  # (H, d, d) E[q_i q_i^T] (unrotated)
+    value_metric: torch.Tensor  # (G, d, d) sum over heads i of group g of rho_i W_O,i^T W_O,i
+    scale: float
+
+    def reach(self, freq: torch.Tensor) -> torch.Tensor:
+        """(H, n) E[sum_s p_s^2 (1 - cos(freq * lag))]: the weight of a phase error growing at FREQ."""
+        lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
+        return self.lag_p2 @ (1 - torch.cos(lags[:, None] * freq.double()[None]))
+
+
+def psd_power(m: torch.Tensor, power: float, rel_eps: float = 1e-12) -> torch.Tensor:
+    """Symmetric PSD matrix to a real power, eigenvalues floored at rel_eps * max."""
+    vals, vecs = torch.linalg.eigh(m.double())
+    floor = vals.max().clamp_min(1e-300) * rel_eps
+    return (vecs * vals.clamp_min(floor).pow(power)) @ vecs.T
+
+
+def _complex_energy(rows_moment: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    diag = torch.diagonal(rows_moment).view(n, 2, d // 2)
+    return diag.sum(1)
+
+
+def layer_metrics(w: AttentionWeights, stats: LayerStats) -> LayerMetrics:
+    H, G, d = w.num_heads, w.num_kv_heads, w.head_dim
+    sigma = stats.sigma.double()
+    scale = d**-0.5
+    q, k, v, o = w.q.double(), w.k.double(), w.v.double(), w.o.double()
+    qm = q.view(H, d, -1)
+    query_moment = torch.einsum("hax,xy,hby->hab", qm, sigma, qm)  # (H, d, d)
+    query_energy = torch.diagonal(query_moment, dim1=1, dim2=2).reshape(H, 2, d // 2).sum(1)
+    key_energy = _complex_energy(k @ sigma @ k.T, G, d)
+    vm = v.view(G, d, -1)
+    mean_v = vm @ sigma[:, -1]  # (G, d): E v, since the last column of sigma is E[x~]
+    cov_v = torch.einsum("gax,xy,gby->gab", vm, sigma, vm) - mean_v[:, :, None] * mean_v[:, None, :]
+    group = torch.arange(H) // (H // G)
+    o_heads = o.view(o.shape[0], H, d).permute(1, 0, 2)  # (H, D, d): W_O,i
+    oto = o_heads.transpose(1, 2) @ o_heads  # (H, d, d)
+    out = torch.einsum("hab,hba->h", oto, cov_v[group])
+    rho = stats.lag_p2.double().sum(1)
+    value_metric = torch.zeros(G, d, d, dtype=torch.float64).index_add_(0, group, rho[:, None, None] * oto)
+    return LayerMetrics(
+        sigma=sigma,
+        query_energy=query_energy,
+        key_energy=key_energy,
+        head_weight=scale**2 * out,
+        rho=rho,
+        lag_p2=stats.lag_p2.double(),
+        inv_freq=stats.inv_freq.double(),
+        query_moment=query_moment,
+        value_metric=value_metric,
+        scale=scale,
+    )
