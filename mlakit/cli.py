@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from .commands.common import setup_logging
 from .commands.bench_cmd import bench_command
+from .commands.common import setup_logging
 from .commands.convert_cmd import convert_command
 from .commands.eval_cmd import eval_command
 

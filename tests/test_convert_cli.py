@@ -23,7 +23,8 @@ def run(*args):
 
 def test_convert_writes_complete_checkpoint(tiny_sources, tmp_path):
     out = tmp_path / "out"
-    code, text = run(tiny_sources["llama_gqa"], out, "--kv-lora-rank", 24, "--rope-dim", 8, "--dtype", "float32")
+    code, text = run(tiny_sources["llama_gqa"], out, "--kv-lora-rank", 24, "--rope-dim", 8, "--dtype", "float32",
+                     "--calib", "random", "--calib-samples", 8, "--calib-seq-len", 32)
     assert code == 0, text
     summary = json.loads(text[text.index("{"):])
     assert summary["kv_values_per_token_per_layer"] == 32 and summary["source_kv_values_per_token_per_layer"] == 64

@@ -6,32 +6,56 @@ import json
 
 import click
 
-from ..convert.pipeline import DTYPES, ConvertOptions, convert
+from ..convert.pipeline import DTYPES, convert
+from ..recipes import Recipe, RecipeError
 from .common import rank_option_type, user_errors, verbosity_options
 
 __all__ = ["convert_command"]
+
+# CLI option name -> ConvertOptions field; a flag given on the command line overrides the recipe.
+_OVERRIDES = {
+    "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "kv_budget": "kv_budget",
+    "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
+    "calib": "calib", "calib_samples": "calib_samples", "calib_seq_len": "calib_seq_len", "dtype": "dtype",
+}
 
 
 @click.command("convert")
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--kv-lora-rank", type=rank_option_type, default="full", show_default=True,
-              help="Latent rank r per layer, or 'full' (lossless).")
-@click.option("--rope-dim", type=rank_option_type, default="full", show_default=True,
-              help="Shared rotary key dims d_R (even), or 'full' (every rotary component).")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
-              help="Output dtype; auto keeps the source's.")
-@click.option("--device", default="cpu", show_default=True, help="Device for verification forward passes.")
+@click.option("--recipe", help="Built-in recipe name or YAML file; flags below override its fields.")
+@click.option("--kv-lora-rank", type=rank_option_type, help="Latent rank r of every layer, or 'full' (lossless).")
+@click.option("--rope-dim", type=rank_option_type, help="Shared rotary key dims d_R (even), or 'full'.")
+@click.option("--kv-budget", type=float,
+              help="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75%% reduction), "
+                   "allocated across layers; replaces --kv-lora-rank/--rope-dim.")
+@click.option("--rope-method", type=click.Choice(["scored", "transmla", "high", "uniform", "norm"]),
+              help="How the rotary subspace is chosen [default: scored].")
+@click.option("--lowrank-method", type=click.Choice(["rrr", "bkv_pca", "svd"]),
+              help="How the latent is factorised [default: rrr].")
+@click.option("--fold", type=int, help="FreqFold: adjacent frequencies mixed together (scored method) [default: 1].")
+@click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
+@click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
+@click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), help="Output dtype; auto keeps the source's.")
+@click.option("--device", default="cpu", show_default=True, help="Device for calibration and verification passes.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-verify", is_flag=True, help="Skip reloading OUT and comparing logits with the source.")
 @verbosity_options
 @user_errors
-def convert_command(src, out, kv_lora_rank, rope_dim, dtype, device, overwrite, seed, no_verify, quiet):
+def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, **flags):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
-    opts = ConvertOptions(kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype, device=device, seed=seed,
-                          overwrite=overwrite, verify=not no_verify, quiet=quiet)
-    report = convert(src, out, opts)
+    try:
+        base = Recipe.load(recipe) if recipe else Recipe()
+    except RecipeError as exc:
+        raise click.BadParameter(str(exc), param_hint="--recipe") from exc
+    overrides = {_OVERRIDES[k]: v for k, v in flags.items() if v is not None}
+    if ("kv_lora_rank" in overrides or "rope_dim" in overrides) and "kv_budget" not in overrides:
+        overrides["kv_budget"] = None  # explicit shapes replace a recipe's budget
+    opts = base.to_options(device=device, seed=seed, overwrite=overwrite, verify=not no_verify, quiet=quiet,
+                           **overrides)
+    report = convert(src, out, opts, recipe=base.model_copy(update={"name": base.name or recipe}))
     per_layer = report["kv_values_per_token"] / len(report["layers"])
     summary = {
         "output": str(out),

@@ -47,9 +47,9 @@ def factorizer(w: AttentionWeights, m: LayerMetrics | None, method: Method, plan
         return lambda w_y: weight_svd(w_y, rank)
     if method.lowrank == "bkv_pca":
         n_key_rows = n_rows - w.num_kv_heads * w.head_dim
-        return lambda w_y: metric_factor(w_y, m.sigma, bkv_metric(w_y, m.sigma, n_key_rows), rank)
+        return lambda w_y: metric_factor(w_y, m.sigma_half, bkv_metric(w_y, m.sigma, n_key_rows), rank)
     metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
-    return lambda w_y: metric_factor(w_y, m.sigma, metric, rank)
+    return lambda w_y: metric_factor(w_y, m.sigma_half, metric, rank)
 
 
 def compress_layer(w: AttentionWeights, m: LayerMetrics | None, method: Method, rope_dim: int,

@@ -31,6 +31,13 @@ class LayerMetrics:
     query_moment: torch.Tensor  # (H, d, d) E[q_i q_i^T] (unrotated)
     value_metric: torch.Tensor  # (G, d, d) sum over heads i of group g of rho_i W_O,i^T W_O,i
     scale: float
+    _sigma_half: torch.Tensor | None = None
+
+    @property
+    def sigma_half(self) -> torch.Tensor:
+        if self._sigma_half is None:
+            self._sigma_half = psd_power(self.sigma, 0.5)
+        return self._sigma_half
 
     def reach(self, freq: torch.Tensor) -> torch.Tensor:
         """(H, n) E[sum_s p_s^2 (1 - cos(freq * lag))]: the weight of a phase error growing at FREQ."""

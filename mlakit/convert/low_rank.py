@@ -51,11 +51,11 @@ def metric_spectrum(w_y, sigma_half, metric_half):
     return u, s.square()
 
 
-def metric_factor(w_y: torch.Tensor, sigma: torch.Tensor, metric: torch.Tensor, rank: int):
-    """argmin over rank-r (up, down) of E||M^1/2 (W_y - up down) x~||^2 with E[x~ x~^T] = sigma."""
+def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric: torch.Tensor, rank: int):
+    """argmin over rank-r (up, down) of E||M^1/2 (W_y - up down) x~||^2, sigma_half = E[x~ x~^T]^1/2."""
     _check_rank(rank, w_y.shape[0])
     m_half, m_ihalf = psd_power(metric, 0.5), psd_power(metric, -0.5)
-    u, _ = metric_spectrum(w_y, psd_power(sigma, 0.5), m_half)
+    u, _ = metric_spectrum(w_y, sigma_half, m_half)
     u = u[:, :rank]
     return u.T @ m_half @ w_y.double(), m_ihalf @ u
 

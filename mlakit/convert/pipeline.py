@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from .assemble import check_shapes, copied_tensors, mla_config, mla_layer_tensors, read_attention
+from .calibration import collect_stats
+from .compress import Method, compress_layer
 from .families import attention_shape
-from .low_rank import full_rank, weight_svd
-from .mla_layer import convert_attention
-from .rope_split import high_frequency_plan
+from .layer_metrics import layer_metrics
+from .rank_plan import plan_budget
 from .source import Source, open_source
 from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
 
@@ -34,6 +35,14 @@ class ConversionError(ValueError):
 class ConvertOptions:
     kv_lora_rank: int | str = "full"
     rope_dim: int | str = "full"
+    kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
+    rope_method: str = "scored"
+    lowrank_method: str = "rrr"
+    fold: int = 1
+    mixing: str = "pca"
+    calib: str = "builtin"
+    calib_samples: int = 128
+    calib_seq_len: int = 256
     dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
@@ -81,29 +90,85 @@ def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
 
 
-def _convert_tensors(source: Source, shape: dict, rank: int, rope_dim: int, dtype, quiet: bool):
+def _calibrate(source: Source, shape: dict, opts: ConvertOptions):
+    """Per-layer statistics from the calibration text."""
+    from ..data import calibration_batches
+
+    model = source.load_model(torch.float32, opts.device)
+    n_total = opts.calib_samples
+    if opts.calib == "random":  # structure tests on tokenizer-less tiny models
+        gen = torch.Generator().manual_seed(opts.seed)
+        ids = torch.randint(0, model.config.vocab_size, (n_total, opts.calib_seq_len), generator=gen)
+    else:
+        tokenizer = source.tokenizer()
+        if tokenizer is None:
+            raise ConversionError(f"{source.spec} has no tokenizer files, so calibration text cannot be tokenized; "
+                                  f"add the tokenizer to the model directory")
+        ids = calibration_batches(tokenizer, opts.calib, n_total, opts.calib_seq_len, opts.seed)
+    return collect_stats(model, ids, shape, device=opts.device, quiet=opts.quiet)
+
+
+def _convert_tensors(source: Source, shape: dict, opts: ConvertOptions, dtype):
     config = source.config
     n_layers = config.num_hidden_layers
     G, d = shape["num_kv_heads"], shape["head_dim"]
-    full = rank == 2 * G * d - rope_dim
-
-    def factorize(w_y):
-        return full_rank(w_y) if full else weight_svd(w_y, rank)
-
-    state, layers = {}, []
-    for i in _progress(range(n_layers), "converting layers", quiet):
-        plan = high_frequency_plan(G, d, rope_dim)
-        mla = convert_attention(read_attention(source, i, shape), plan, factorize)
+    method = Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing)
+    plan_report: dict = {}
+    ws = [read_attention(source, i, shape) for i in range(n_layers)]
+    if opts.kv_budget is not None:
+        if not 0 < opts.kv_budget <= 1:
+            raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
+        budget = int(opts.kv_budget * n_layers * 2 * G * d)
+        stats = _calibrate(source, shape, opts)
+        ms = [layer_metrics(w, st) for w, st in zip(ws, stats)]
+        fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
+        try:
+            layers, plan_report = plan_budget(
+                ws, ms, method, budget, rope_dim=fixed_rope,
+                progress=lambda it, desc: _progress(it, desc, opts.quiet))
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from exc
+        plan_report["budget_values_per_token"] = budget
+    else:
+        rank, rope_dim = check_ranks(opts, shape)
+        lossless = rank == 2 * G * d - rope_dim and rope_dim == G * d
+        ms = [None] * n_layers
+        if not lossless:
+            stats = _calibrate(source, shape, opts)
+            ms = [layer_metrics(w, st) for w, st in zip(ws, stats)]
+        layers = [compress_layer(w, m, method, rope_dim, rank)
+                  for w, m in _progress(list(zip(ws, ms)), "converting layers", opts.quiet)]
+    state = {}
+    for i, mla in enumerate(layers):
         state.update(mla_layer_tensors(i, mla, dtype, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"]))
-        layers.append(mla)
     tie = bool(getattr(config, "tie_word_embeddings", False))
     for name in copied_tensors(source, n_layers, tie):
         state[name] = source.tensor(name).to(dtype).contiguous()
-    return state, layers
+    return state, layers, plan_report
 
 
-def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> dict:
-    """Convert SRC into an MLA checkpoint at OUT; returns the conversion report."""
+def effective_recipe(opts: ConvertOptions, base=None):
+    """The recipe that reproduces OPTS (saved beside the weights)."""
+    from ..recipes import Calibration, MethodSpec, Recipe
+
+    budget = opts.kv_budget is not None
+    return Recipe(
+        name=getattr(base, "name", None),
+        description=getattr(base, "description", None),
+        kv_budget=opts.kv_budget,
+        kv_lora_rank=None if budget else opts.kv_lora_rank,
+        rope_dim=None if budget else opts.rope_dim,
+        method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing),
+        calibration=Calibration(data=opts.calib, samples=opts.calib_samples, seq_len=opts.calib_seq_len,
+),
+        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
+    )
+
+
+def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recipe=None) -> dict:
+    """Convert SRC into an MLA checkpoint at OUT; returns the conversion report.
+
+    RECIPE (optional) only names the recipe the options came from, for the saved copy."""
     opts = opts or ConvertOptions()
     torch.manual_seed(opts.seed)
     start = time.time()
@@ -112,9 +177,9 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> di
         raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
     source = open_source(src)
     shape = attention_shape(source.config)
-    rank, rope_dim = check_ranks(opts, shape)
+    check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
     dtype = resolve_dtype(opts.dtype, source.config)
-    state, layers = _convert_tensors(source, shape, rank, rope_dim, dtype, opts.quiet)
+    state, layers, plan_report = _convert_tensors(source, shape, opts, dtype)
     config = mla_config(source.config, shape, layers, dtype)
     check_shapes(config, state)
     config.auto_map = dict(AUTO_MAP)
@@ -123,6 +188,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> di
         "source_architecture": shape["family"],
         "settings": asdict(opts) | {"dtype": str(dtype).replace("torch.", "")},
         "source_kv_values_per_token_per_layer": 2 * shape["num_kv_heads"] * shape["head_dim"],
+        "plan": plan_report,
         "layers": [
             {"layer": i, "kv_lora_rank": w.kv_lora_rank, "qk_rope_head_dim": w.rope_dim, "rope_freq_index": w.freq_index}
             for i, w in enumerate(layers)
@@ -134,6 +200,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None) -> di
         save_state_dict(state, tmp)
         config.to_json_file(str(tmp / "config.json"), use_diff=False)
         write_modeling_code(tmp)
+        (tmp / "recipe.yaml").write_text(effective_recipe(opts, recipe).to_yaml())
         _write_tokenizer_files(source, config, tmp)
         if opts.verify:
             report["verify"] = verify(source, tmp, opts.device)

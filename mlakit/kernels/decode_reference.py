@@ -46,24 +46,46 @@ def mla_decode_reference(
     starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, r = q_lat.shape
-    max_len = int(lengths.max()) if lengths.numel() else 0
+    dev = q_lat.device
+    lengths = lengths.to(dev)
+    starts = None if starts is None else starts.to(dev)
+    # One host sync: the longest row, and whether any slot below it is masked.
+    if lengths.numel():
+        max_start = lengths.new_zeros(()) if starts is None else starts.max().to(lengths.dtype)
+        max_len, min_len, max_start = torch.stack([lengths.max(), lengths.min(), max_start]).tolist()
+    else:
+        max_len = min_len = max_start = 0
+    if max_len <= 0:  # nothing cached in any row
+        return torch.zeros_like(q_lat), torch.full((B, H), float("-inf"), device=dev)
     if block_table is not None:
         c_kv = gather_paged(c_kv, block_table, max_len)
         k_rope = gather_paged(k_rope, block_table, max_len)
     else:
         c_kv, k_rope = c_kv[:, :max_len], k_rope[:, :max_len]
+    # Few passes over the (B, S, *) cache and the (B, H, S) scores (on CPU decode is bound by
+    # memory traffic, and at short contexts by the number of ops): the scale is folded into
+    # the (B, H, *) queries, the rope scores are the accumulator of the latent ones, the mask
+    # is only built when some slot is invalid, the exponentials overwrite the scores, and the
+    # output is normalised after P @ c_kv, on (B, H, r) instead of (B, H, S).
     ckv32, kr32 = c_kv.float(), k_rope.float()  # (B, S, r), (B, S, d_R)
-    scores = torch.einsum("bhr,bsr->bhs", q_lat.float(), ckv32)
+    q32 = q_lat.float() * scale
     if q_rope.shape[-1] > 0:
-        scores = scores + torch.einsum("bhd,bsd->bhs", q_rope.float(), kr32)
-    scores = scores * scale  # (B, H, S)
-    pos = torch.arange(max_len, device=q_lat.device)
-    valid = pos[None, :] < lengths.to(q_lat.device).long()[:, None]  # (B, S)
-    if starts is not None:
-        valid = valid & (pos[None, :] >= starts.to(q_lat.device).long()[:, None])
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H); -inf for empty rows
-    probs = torch.exp(scores - lse[..., None].clamp_min(torch.finfo(torch.float32).min))
-    probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.einsum("bhs,bsr->bhr", probs, ckv32)
+        scores = torch.bmm(q_rope.float() * scale, kr32.transpose(1, 2))
+        scores = scores.baddbmm_(q32, ckv32.transpose(1, 2))
+    else:
+        scores = torch.bmm(q32, ckv32.transpose(1, 2))  # (B, H, S), scaled
+    if min_len < max_len or max_start > 0:
+        pos = torch.arange(max_len, device=dev)
+        valid = pos[None, :] < lengths.long()[:, None]  # (B, S)
+        if starts is not None:
+            valid = valid & (pos[None, :] >= starts.long()[:, None])
+        scores = scores.masked_fill_(~valid[:, None, :], float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True)  # (B, H, 1)
+        m = m.masked_fill_(m == float("-inf"), 0.0)  # empty rows: exp(-inf - 0) = 0 below
+    else:
+        m = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(m).exp_()  # unnormalised; each non-empty row holds exp(0) = 1 at its max
+    total = probs.sum(dim=-1, keepdim=True)  # (B, H, 1): >= 1, or 0 for an empty row
+    lse = (m + total.log())[..., 0]  # (B, H); -inf for empty rows
+    out = torch.bmm(probs, ckv32).div_(total.clamp_min_(1.0))  # empty rows: 0 / 1
     return out.to(q_lat.dtype), lse

@@ -104,9 +104,11 @@ class MLAAttention(nn.Module):
         H, d_nope = self.num_heads, self.qk_nope_head_dim
         w = self.kv_b_proj.weight.view(H, d_nope + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :d_nope], w[:, d_nope:]  # (H, d, r)
-        q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)  # (B, H, r)
+        # Per-head bmm with heads as the batch: the same contractions as einsum "bhd,hdr->bhr" and
+        # "bhr,hdr->bhd" without einsum's dispatch overhead, which shows at short contexts.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (B, H, r)
         o_lat, _ = mla_decode(q_lat, q_rope, c_kv, k_rope, lengths, self.scaling, starts=starts)
-        return torch.einsum("bhr,hdr->bhd", o_lat, w_uv)  # (B, H, d)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (B, H, d)
 
 
 class _AttentionMask:

@@ -1,0 +1,172 @@
+"""Compression: calibrated RoPE split, low-rank factorisations, budget planning, recipes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from mlakit import load_converted
+from mlakit.cli import cli
+from mlakit.convert.compress import Method, compress_layer
+from mlakit.convert.low_rank import bkv_metric, full_rank, metric_factor
+from mlakit.convert.mla_layer import AttentionWeights, convert_attention
+from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.convert.rank_plan import plan_ranks
+from mlakit.convert.rope_split import RopePlan
+from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
+from tests.tiny_models import assert_close
+
+CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
+
+
+def _logits(path, ids):
+    with torch.no_grad():
+        return load_converted(path)(ids).logits
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def test_low_rank_step_adds_nothing_at_full_rank(tiny_sources, tmp_path, ids):
+    """Rotary dims dropped, latent at full rank: every factorisation gives the same model, so
+    only the RoPE step changes the logits."""
+    src = tiny_sources["llama_gqa"]
+    outs = {}
+    for low in ("rrr", "bkv_pca", "svd"):
+        outs[low] = tmp_path / low
+        convert(str(src), outs[low], ConvertOptions(rope_dim=8, lowrank_method=low, **CALIB))
+    ref = _logits(outs["rrr"], ids)
+    for low in ("bkv_pca", "svd"):
+        assert_close(f"{low} vs rrr at full rank", _logits(outs[low], ids), ref, atol=1e-5)
+    lossless = tmp_path / "lossless"
+    convert(str(src), lossless, ConvertOptions(**CALIB))
+    assert (ref - _logits(lossless, ids)).abs().max() > 1e-3  # dropping rotation does change the model
+
+
+@pytest.mark.parametrize("fold", [1, 2, 4])
+def test_orthogonal_head_mixing_keeps_scores_when_all_rope_is_kept(fold):
+    """Mixing KV heads (and folded frequencies) by an orthogonal U changes nothing if every
+    component stays rotary and folding is off, and keeps the NoPE map exact otherwise."""
+    torch.manual_seed(0)
+    H, G, d, D = 4, 2, 16, 12
+    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
+                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    n_grp, n = d // 2 // fold, G * fold
+    U = torch.linalg.qr(torch.randn(n_grp, n, n, dtype=torch.float64))[0]
+    plan = RopePlan(U, [], [], fold)  # everything dropped: pure NoPE
+    mla = convert_attention(w, plan, full_rank)
+    x = torch.cat([torch.randn(5, D), torch.ones(5, 1)], dim=1).double()
+    # unrotated scores of the source == scores of the converted NoPE path
+    q = (x @ w.q.double().T).view(5, H, d)
+    k = (x @ w.k.double().T).view(5, G, d).repeat_interleave(H // G, dim=1)
+    want = torch.einsum("thd,shd->hts", q, k)
+    q_nope = (x @ mla.q_proj.T).view(5, H, d)
+    c_kv = x @ mla.kv_a_proj_with_mqa.T
+    k_nope = (c_kv @ mla.kv_b_proj.T).view(5, H, 2 * d)[..., :d]
+    got = torch.einsum("thd,shd->hts", q_nope, k_nope)
+    assert_close("NoPE scores after mixing", got, want, atol=1e-9, rtol=1e-9)
+
+
+def test_metric_factor_is_exact_at_full_rank_and_bkv_is_a_metric():
+    torch.manual_seed(0)
+    w_y = torch.randn(10, 7, dtype=torch.float64)
+    a = torch.randn(7, 7, dtype=torch.float64)
+    sigma_half = a @ a.T / 7 + torch.eye(7, dtype=torch.float64)
+    down, up = metric_factor(w_y, sigma_half, bkv_metric(w_y, sigma_half @ sigma_half, 4), 10)
+    assert_close("up @ down", up @ down, w_y, atol=1e-9)
+    down, up = metric_factor(w_y, sigma_half, torch.eye(10, dtype=torch.float64), 3)
+    assert down.shape == (3, 7) and up.shape == (10, 3)
+
+
+def test_planner_never_exceeds_budget():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        curves = []
+        for _ in range(6):
+            n = int(torch.randint(20, 60, (1,), generator=gen))
+            s2 = torch.rand(n, generator=gen, dtype=torch.float64).sort(descending=True).values
+            tail = torch.cat([s2.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])
+            curves.append(torch.log(tail + 1e-12))
+        budget = int(torch.randint(24, 200, (1,), generator=gen))
+        ranks = plan_ranks(curves, budget)
+        assert sum(ranks) <= budget, (trial, ranks, budget)
+        assert all(4 <= r < c.shape[0] for r, c in zip(ranks, curves))
+    with pytest.raises(ValueError, match="below 4 per layer"):
+        plan_ranks(curves, 10)
+
+
+@pytest.mark.parametrize("fam", ["llama_gqa", "qwen2"])
+def test_budget_conversion_fits_and_cache_matches_plan(tiny_sources, tmp_path, fam):
+    out = tmp_path / "b"
+    report = convert(str(tiny_sources[fam]), out, ConvertOptions(kv_budget=0.5, **CALIB))
+    budget = report["plan"]["budget_values_per_token"]
+    per_layer = [lay["kv_lora_rank"] + lay["qk_rope_head_dim"] for lay in report["layers"]]
+    assert sum(per_layer) <= budget == int(0.5 * 2 * 2 * 2 * 16)
+    model = load_converted(out)
+    ids = torch.randint(3, 96, (1, 9))
+    with torch.no_grad():
+        out_ = model(ids, use_cache=True)
+    cache = out_.cache if hasattr(out_, "cache") else out_.past_key_values
+    measured = [(lay.keys.shape[-1] + lay.values.shape[-1]) for lay in cache.layers]
+    assert measured == per_layer
+
+
+@pytest.mark.parametrize("rope", ["scored", "transmla", "high", "uniform", "norm"])
+def test_every_rope_method_builds_a_valid_model(tiny_sources, tmp_path, rope, ids):
+    out = tmp_path / rope
+    convert(str(tiny_sources["llama_mha"]), out, ConvertOptions(rope_dim=16, kv_lora_rank=40, rope_method=rope,
+                                                                **CALIB))
+    logits = _logits(out, ids)
+    assert torch.isfinite(logits).all()
+    cfg = json.loads((out / "config.json").read_text())
+    assert len(cfg["rope_freq_index"][0]) == 8
+
+
+def test_compress_layer_shapes_follow_the_plan():
+    torch.manual_seed(0)
+    H, G, d, D = 4, 2, 16, 12
+    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
+                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    mla = compress_layer(w, None, Method(), rope_dim=8, rank=10)
+    assert mla.kv_a_proj_with_mqa.shape == (18, D + 1) and mla.kv_b_proj.shape == (H * 2 * d, 10)
+    assert mla.q_proj.shape == (H * (d + 8), D + 1)
+
+
+# ---- recipes -------------------------------------------------------------------------------
+
+def test_recipe_rejects_unknown_keys_and_round_trips():
+    with pytest.raises(RecipeError, match="kv_budgt"):
+        Recipe.from_yaml("kv_budgt: 0.3")
+    with pytest.raises(RecipeError, match="method.lowrnk"):
+        Recipe.from_yaml("method: {lowrnk: rrr}")
+    with pytest.raises(RecipeError, match="rope"):
+        Recipe.from_yaml("method: {rope: nonsense}")
+    r = Recipe(kv_budget=0.25, method={"rope": "transmla", "lowrank": "bkv_pca"}, calibration={"samples": 16})
+    assert Recipe.from_yaml(r.to_yaml()) == r
+
+
+@pytest.mark.parametrize("name", BUILTIN_RECIPES)
+def test_builtin_recipes_load(name):
+    recipe = Recipe.load(name)
+    assert recipe.name == name
+    opts = recipe.to_options()
+    assert opts.kv_budget is not None or opts.kv_lora_rank != "full"
+
+
+def test_cli_flags_override_recipe_and_effective_recipe_is_saved(tiny_sources, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: mine\nkv_budget: 0.5\nmethod: {lowrank: bkv_pca}\n"
+                      "calibration: {data: random, samples: 8, seq_len: 32}\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(out), "--recipe", str(recipe),
+                                      "--lowrank-method", "rrr", "--dtype", "float32", "-q"])
+    assert result.exit_code == 0, result.output
+    saved = Recipe.load(out / "recipe.yaml")
+    assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.method.lowrank == "rrr"
+    bad = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(tmp_path / "x"), "--recipe", "nope"])
+    assert bad.exit_code != 0 and "neither a built-in" in bad.output
