@@ -70,3 +70,40 @@ def test_tokenizer_written_beside_weights(smollm2_source, smollm2_full):
     _, tok = smollm2_source
     saved = AutoTokenizer.from_pretrained(str(smollm2_full[0]))
     assert saved("hello world").input_ids == tok("hello world").input_ids
+
+
+def _eval(converted, report_dir):
+    from click.testing import CliRunner
+
+    from mlakit.cli import cli
+
+    args = ["eval", "--original", "default", "--converted", str(converted), "--report", str(report_dir),
+            "--max-tokens", "1024", "--seq-len", "256", "--stride", "128", "--sample-tokens", "4", "--dtype",
+            "float32", "--device", "cpu", "-q"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output + str(result.exception)
+    import json
+
+    return json.loads((report_dir / "report.json").read_text())
+
+
+def test_eval_full_rank_ratio_is_one(smollm2_full, tmp_path):
+    report = _eval(smollm2_full[0], tmp_path / "report")
+    assert abs(report["ppl_ratio"] - 1.0) <= 1e-4, report["ppl_ratio"]
+    assert report["kv_reduction"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_eval_of_compressed_conversion_writes_complete_report(tmp_path):
+    from mlakit.convert.pipeline import ConvertOptions, convert
+
+    out = tmp_path / "mla"
+    convert("default", out, ConvertOptions(kv_budget=0.3125, calib_samples=16, calib_seq_len=128, dtype="float32",
+                                           quiet=True, verify=False))
+    report = _eval(out, tmp_path / "report")
+    for key in ("ppl_ratio", "kv_reduction", "conversion"):
+        assert key in report
+    assert report["original"]["kv_bytes_per_token"] == 46080  # 30 layers x 384 values x 4 bytes
+    assert report["converted"]["kv_bytes_per_token"] <= 0.3125 * 46080
+    assert report["ppl_ratio"] > 1.0
+    names = {p.name for p in (tmp_path / "report").iterdir()}
+    assert {"report.json", "report.md", "layer_ranks.png"} <= names, names

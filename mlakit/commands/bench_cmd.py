@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mlakit.eval.cli_support import IntList, quiet_transformers, user_errors
+from .common import IntList, quiet_transformers, user_errors
 
 __all__ = ["bench_command"]
 
@@ -68,6 +68,7 @@ __all__ = ["bench_command"]
     help="Write report.json, report.md and bench.png into DIR (replaced atomically).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@user_errors
 def bench_command(
     original, converted, context_lengths, batch_sizes, new_tokens, warmup, device, dtype, report_dir, quiet
 ):
@@ -88,7 +89,7 @@ def bench_command(
         warmup=warmup,
         progress=not quiet,
     )
-    with user_errors(), quiet_transformers(quiet):
+    with quiet_transformers(quiet):
         if report_dir:
             check_report_dir(report_dir)
         report = run_bench(settings)

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
 import click
 
-__all__ = ["USER_ERRORS", "rank_option_type", "setup_logging", "user_errors", "verbosity_options"]
+__all__ = ["IntList", "quiet_transformers", "rank_option_type", "setup_logging", "user_errors", "verbosity_options"]
 
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    from ..convert.families import UnsupportedModelError
-    from ..convert.pipeline import ConversionError
-    from ..convert.source import SourceError
-    from ..convert.writer import OutputExistsError
-
-    return (SourceError, ConversionError, UnsupportedModelError, OutputExistsError, FileNotFoundError)
-
-
-USER_ERRORS = _user_error_types()
+log = logging.getLogger(__name__)
 
 
 def setup_logging(verbosity: int) -> None:
@@ -49,16 +40,51 @@ def verbosity_options(fn):
 
 
 def user_errors(fn):
-    """Turn the errors a user can cause into a clean `Error: ...` message and exit code 1."""
+    """Turn the errors a user can cause (bad spec, path or setting: ValueError; unreadable or
+    existing files: OSError) into a clean `Error: ...` and exit code 1; the traceback is logged
+    at debug level (-vv)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except USER_ERRORS as exc:
+        except (ValueError, OSError) as exc:
+            log.debug("command failed", exc_info=True)
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
+
+
+class IntList(click.ParamType):
+    """A comma-separated list of positive integers, e.g. ``128,512,1024``."""
+
+    name = "INT,INT,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return [int(v) for v in value]
+        try:
+            items = [int(v) for v in str(value).split(",") if v.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers (e.g. 128,512,1024)", param, ctx)
+        if not items or min(items) < 1:
+            self.fail(f"{value!r} must list at least one integer, each >= 1 (e.g. 128,512,1024)", param, ctx)
+        return items
+
+
+@contextlib.contextmanager
+def quiet_transformers(quiet: bool):
+    """With ``quiet``, hide the progress bars transformers draws while loading weights."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet and was_enabled:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class _RankType(click.ParamType):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from mlakit.data import DataSpecError
-from mlakit.eval.cli_support import quiet_transformers, user_errors
 from mlakit.eval.samples import DEFAULT_PROMPTS
+
+from .common import quiet_transformers, user_errors
 
 __all__ = ["eval_command"]
 
@@ -95,6 +96,7 @@ __all__ = ["eval_command"]
     help="New tokens per greedy continuation; 0 skips the samples.",
 )
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@user_errors
 def eval_command(
     original,
     converted,
@@ -138,7 +140,7 @@ def eval_command(
         sample_tokens=sample_tokens,
         progress=not quiet,
     )
-    with user_errors(), quiet_transformers(quiet):
+    with quiet_transformers(quiet):
         if report_dir:
             check_report_dir(report_dir)
         try:

@@ -19,7 +19,10 @@ from .rank_plan import plan_budget
 from .source import Source, open_source
 from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
 
-__all__ = ["ConvertOptions", "ConversionError", "convert", "resolve_dtype", "check_ranks"]
+__all__ = [
+    "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
+    "needs_calibration", "resolve_dtype",
+]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
 
 
-def _calibrate(source: Source, shape: dict, opts: ConvertOptions):
+def calibrate(source: Source, shape: dict, opts: ConvertOptions):
     """Per-layer statistics from the calibration text."""
     from ..data import calibration_batches
 
@@ -108,43 +111,48 @@ def _calibrate(source: Source, shape: dict, opts: ConvertOptions):
     return collect_stats(model, ids, shape, device=opts.device, quiet=opts.quiet)
 
 
-def _convert_tensors(source: Source, shape: dict, opts: ConvertOptions, dtype):
-    config = source.config
-    n_layers = config.num_hidden_layers
+def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True):
+    """MLA layers from source attention weights WS and per-layer metrics MS (None: data-free).
+
+    Returns (layers, plan report)."""
+    n_layers = len(ws)
     G, d = shape["num_kv_heads"], shape["head_dim"]
     method = Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing)
-    plan_report: dict = {}
-    ws = [read_attention(source, i, shape) for i in range(n_layers)]
     if opts.kv_budget is not None:
         if not 0 < opts.kv_budget <= 1:
             raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
         budget = int(opts.kv_budget * n_layers * 2 * G * d)
-        stats = _calibrate(source, shape, opts)
-        ms = [layer_metrics(w, st) for w, st in zip(ws, stats)]
         fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
         try:
-            layers, plan_report = plan_budget(
-                ws, ms, method, budget, rope_dim=fixed_rope,
-                progress=lambda it, desc: _progress(it, desc, opts.quiet))
+            layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope,
+                                         progress=lambda it, desc: _progress(it, desc, quiet))
         except ValueError as exc:
             raise ConversionError(str(exc)) from exc
-        plan_report["budget_values_per_token"] = budget
-    else:
-        rank, rope_dim = check_ranks(opts, shape)
-        lossless = rank == 2 * G * d - rope_dim and rope_dim == G * d
-        ms = [None] * n_layers
-        if not lossless:
-            stats = _calibrate(source, shape, opts)
-            ms = [layer_metrics(w, st) for w, st in zip(ws, stats)]
-        layers = [compress_layer(w, m, method, rope_dim, rank)
-                  for w, m in _progress(list(zip(ws, ms)), "converting layers", opts.quiet)]
+        return layers, report | {"budget_values_per_token": budget}
+    rank, rope_dim = check_ranks(opts, shape)
+    layers = [compress_layer(w, m, method, rope_dim, rank)
+              for w, m in _progress(list(zip(ws, ms)), "converting layers", quiet)]
+    return layers, {}
+
+
+def needs_calibration(opts: ConvertOptions, shape: dict) -> bool:
+    if opts.kv_budget is not None:
+        return True
+    rank, rope_dim = check_ranks(opts, shape)
+    full = shape["num_kv_heads"] * shape["head_dim"]
+    return not (rope_dim == full and rank == 2 * full - rope_dim)
+
+
+def assemble_state(source: Source, shape: dict, layers, dtype) -> dict:
+    """The MLA state dict: converted attention plus every other source tensor unchanged."""
+    config = source.config
     state = {}
     for i, mla in enumerate(layers):
         state.update(mla_layer_tensors(i, mla, dtype, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"]))
     tie = bool(getattr(config, "tie_word_embeddings", False))
-    for name in copied_tensors(source, n_layers, tie):
+    for name in copied_tensors(source, config.num_hidden_layers, tie):
         state[name] = source.tensor(name).to(dtype).contiguous()
-    return state, layers, plan_report
+    return state
 
 
 def effective_recipe(opts: ConvertOptions, base=None):
@@ -179,7 +187,13 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     shape = attention_shape(source.config)
     check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
     dtype = resolve_dtype(opts.dtype, source.config)
-    state, layers, plan_report = _convert_tensors(source, shape, opts, dtype)
+    ws = [read_attention(source, i, shape) for i in range(source.config.num_hidden_layers)]
+    ms = [None] * len(ws)
+    if needs_calibration(opts, shape):
+        ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
+    layers, plan_report = build_layers(ws, ms, shape, opts, opts.quiet)
+    del ws, ms
+    state = assemble_state(source, shape, layers, dtype)
     config = mla_config(source.config, shape, layers, dtype)
     check_shapes(config, state)
     config.auto_map = dict(AUTO_MAP)
@@ -198,6 +212,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     report["source_kv_values_per_token"] = report["source_kv_values_per_token_per_layer"] * len(layers)
     with atomic_output(out, opts.overwrite) as tmp:
         save_state_dict(state, tmp)
+        del state, layers  # the converted weights are on disk now; verification reloads them
         config.to_json_file(str(tmp / "config.json"), use_diff=False)
         write_modeling_code(tmp)
         (tmp / "recipe.yaml").write_text(effective_recipe(opts, recipe).to_yaml())

@@ -1,0 +1,150 @@
+"""Quality sweep: every method combination at several KV budgets, perplexity relative to the source.
+
+    python bench/quality_sweep.py --out runs/quality_sweep            # SmolLM2-135M, offline text
+
+Calibrates once (builtin calibration text, 128 x 256 tokens by default), then for every budget
+and method row builds the converted model in memory and scores it on the builtin evaluation
+text (disjoint from the calibration text) with the same token ids as the source. Uniform rows
+use the same rope dims as the default at that budget, so rows differ only in method. Writes
+sweep.json, sweep.md and ppl_vs_budget.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from mlakit.convert.assemble import mla_config, read_attention
+from mlakit.convert.families import attention_shape
+from mlakit.convert.layer_metrics import layer_metrics
+from mlakit.convert.pipeline import ConvertOptions, assemble_state, build_layers, calibrate
+from mlakit.convert.rank_plan import budget_rope_dim
+from mlakit.convert.source import open_source
+from mlakit.data import load_text, tokenize_text
+from mlakit.eval.perplexity import sliding_window_perplexity
+from mlakit.mla_model import MLAForCausalLM
+
+# name -> (rope method, low-rank method, planned ranks?)
+ROWS = {
+    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", False),
+    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", False),
+    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", False),
+    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", False),
+    "scored RoPE + RRR, uniform": ("scored", "rrr", False),
+    "mlakit default (scored + RRR, planned ranks)": ("scored", "rrr", True),
+}
+
+
+def build_model(source, shape, layers):
+    config = mla_config(source.config, shape, layers, torch.float32)
+    model = MLAForCausalLM(config).eval()
+    missing, unexpected = model.load_state_dict(assemble_state(source, shape, layers, torch.float32), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default="default")
+    ap.add_argument("--budgets", default="0.5,0.3125,0.1875,0.125")
+    ap.add_argument("--rows", default="all", help="comma-separated row numbers (1-based) or 'all'")
+    ap.add_argument("--calib-samples", type=int, default=128)
+    ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--out", default="runs/quality_sweep")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.time()
+    source = open_source(args.source)
+    shape = attention_shape(source.config)
+    tokenizer = source.tokenizer()
+    ids = tokenize_text(tokenizer, load_text("builtin", "eval"))[: args.eval_tokens]
+
+    def ppl(model):
+        return sliding_window_perplexity(model, ids, args.seq_len, args.stride, batch_size=4, progress=False).ppl
+
+    base = ppl(source.load_model(torch.float32))
+    print(f"source perplexity {base:.4f} on {ids.numel()} tokens", flush=True)
+    opts = ConvertOptions(calib="builtin", calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+                          quiet=True)
+    ws = [read_attention(source, i, shape) for i in range(source.config.num_hidden_layers)]
+    ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
+    print(f"calibrated in {time.time() - t0:.0f} s", flush=True)
+
+    names = list(ROWS)
+    if args.rows != "all":
+        names = [names[int(i) - 1] for i in args.rows.split(",")]
+    per_layer_src = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    results = []
+    for frac in [float(b) for b in args.budgets.split(",")]:
+        per_layer = round(frac * per_layer_src)
+        d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer)
+        for name in names:
+            rope, low, planned = ROWS[name]
+            if planned:
+                o = ConvertOptions(kv_budget=frac, rope_method=rope, lowrank_method=low)
+            else:
+                o = ConvertOptions(kv_lora_rank=per_layer - d_r, rope_dim=d_r, rope_method=rope, lowrank_method=low)
+            t = time.time()
+            layers, _ = build_layers(ws, ms, shape, o)
+            p = ppl(build_model(source, shape, layers))
+            row = {"budget": frac, "values_per_token_per_layer": per_layer, "kv_reduction": round(1 - frac, 4),
+                   "method": name, "rope_dim": d_r, "ranks": [lay.kv_lora_rank for lay in layers],
+                   "ppl": p, "ppl_ratio": p / base, "seconds": round(time.time() - t, 1)}
+            results.append(row)
+            print(f"{frac:<7} {name:48s} ppl {p:9.3f}  ratio {p / base:7.3f}", flush=True)
+
+    meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": "builtin",
+            "seq_len": args.seq_len, "stride": args.stride, "calib_samples": args.calib_samples,
+            "calib_seq_len": args.calib_seq_len, "seconds": round(time.time() - t0)}
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    budgets = sorted({r["budget"] for r in results}, reverse=True)
+    lines = ["| method | " + " | ".join(f"{b:g} ({1 - b:.2%} less KV)" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in names:
+        cells = []
+        for b in budgets:
+            row = next(r for r in results if r["budget"] == b and r["method"] == name)
+            best = min(r["ppl_ratio"] for r in results if r["budget"] == b)
+            cell = f"{row['ppl_ratio']:.2f}"
+            cells.append(f"**{cell}**" if math.isclose(row["ppl_ratio"], best) else cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    (out / "sweep.md").write_text(f"Perplexity ratio (converted / source, source ppl {base:.3f}); "
+                                  f"{ids.numel()} builtin eval tokens, window {args.seq_len}, stride {args.stride}.\n\n"
+                                  f"{table}\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in names:
+            pts = sorted((r["budget"], r["ppl_ratio"]) for r in results if r["method"] == name)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+        ax.set_xlabel("KV budget (fraction of source cache)")
+        ax.set_ylabel("perplexity ratio")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "ppl_vs_budget.png", dpi=120)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
