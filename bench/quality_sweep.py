@@ -4,8 +4,8 @@
 
 Calibrates once (builtin calibration text, 128 x 256 tokens by default), then for every budget
 and method row builds the converted model in memory and scores it on the builtin evaluation
-text (disjoint from the calibration text) with the same token ids as the source. Uniform rows
-use the same rope dims as the default at that budget, so rows differ only in method. Writes
+text (disjoint from the calibration text) with the same token ids as the source. Every row
+uses the default rope dims at that budget (``budget_rope_dim``), so rows differ only in method. Writes
 sweep.json, sweep.md and ppl_vs_budget.png to --out.
 """
 
@@ -29,14 +29,14 @@ from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_window_perplexity
 from mlakit.mla_model import MLAForCausalLM
 
-# name -> (rope method, low-rank method, planned ranks?)
+# name -> (rope method, low-rank method, allocation)
 ROWS = {
-    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", False),
-    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", False),
-    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", False),
-    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", False),
-    "scored RoPE + RRR, uniform": ("scored", "rrr", False),
-    "mlakit default (scored + RRR, planned ranks)": ("scored", "rrr", True),
+    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform"),
+    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform"),
+    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform"),
+    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform"),
+    "mlakit default: scored RoPE + RRR, uniform": ("scored", "rrr", "uniform"),
+    "scored RoPE + RRR, planned ranks (--allocation planned)": ("scored", "rrr", "planned"),
 }
 
 
@@ -91,11 +91,8 @@ def main():
         per_layer = round(frac * per_layer_src)
         d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer)
         for name in names:
-            rope, low, planned = ROWS[name]
-            if planned:
-                o = ConvertOptions(kv_budget=frac, rope_method=rope, lowrank_method=low)
-            else:
-                o = ConvertOptions(kv_lora_rank=per_layer - d_r, rope_dim=d_r, rope_method=rope, lowrank_method=low)
+            rope, low, allocation = ROWS[name]
+            o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low)
             t = time.time()
             layers, _ = build_layers(ws, ms, shape, o)
             p = ppl(build_model(source, shape, layers))

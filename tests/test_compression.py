@@ -100,13 +100,16 @@ def test_planner_never_exceeds_budget():
         plan_ranks(curves, 10)
 
 
-@pytest.mark.parametrize("fam", ["llama_gqa", "qwen2"])
-def test_budget_conversion_fits_and_cache_matches_plan(tiny_sources, tmp_path, fam):
+@pytest.mark.parametrize("fam, allocation", [("llama_gqa", "planned"), ("qwen2", "planned"), ("llama_mha", "uniform")])
+def test_budget_conversion_fits_and_cache_matches_plan(tiny_sources, tmp_path, fam, allocation):
     out = tmp_path / "b"
-    report = convert(str(tiny_sources[fam]), out, ConvertOptions(kv_budget=0.5, **CALIB))
+    report = convert(str(tiny_sources[fam]), out, ConvertOptions(kv_budget=0.5, allocation=allocation, **CALIB))
     budget = report["plan"]["budget_values_per_token"]
     per_layer = [lay["kv_lora_rank"] + lay["qk_rope_head_dim"] for lay in report["layers"]]
-    assert sum(per_layer) <= budget == int(0.5 * 2 * 2 * 2 * 16)
+    kv_heads = 4 if fam == "llama_mha" else 2
+    assert sum(per_layer) <= budget == int(0.5 * 2 * 2 * kv_heads * 16)
+    if allocation == "uniform":
+        assert len(set(per_layer)) == 1
     model = load_converted(out)
     ids = torch.randint(3, 96, (1, 9))
     with torch.no_grad():

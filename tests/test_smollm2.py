@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import pytest
 import torch
 from transformers import AutoTokenizer

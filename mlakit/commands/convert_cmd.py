@@ -15,7 +15,7 @@ __all__ = ["convert_command"]
 # CLI option name -> ConvertOptions field; a flag given on the command line overrides the recipe.
 _OVERRIDES = {
     "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "kv_budget": "kv_budget",
-    "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
+    "allocation": "allocation", "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
     "calib": "calib", "calib_samples": "calib_samples", "calib_seq_len": "calib_seq_len", "dtype": "dtype",
 }
 
@@ -29,6 +29,9 @@ _OVERRIDES = {
 @click.option("--kv-budget", type=float,
               help="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75%% reduction), "
                    "allocated across layers; replaces --kv-lora-rank/--rope-dim.")
+@click.option("--allocation", type=click.Choice(["uniform", "planned"]),
+              help="With --kv-budget: the same rank in every layer, or ranks planned from per-layer error "
+                   "curves [default: uniform].")
 @click.option("--rope-method", type=click.Choice(["scored", "transmla", "high", "uniform", "norm"]),
               help="How the rotary subspace is chosen [default: scored].")
 @click.option("--lowrank-method", type=click.Choice(["rrr", "bkv_pca", "svd"]),

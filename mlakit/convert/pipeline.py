@@ -39,6 +39,7 @@ class ConvertOptions:
     kv_lora_rank: int | str = "full"
     rope_dim: int | str = "full"
     kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
+    allocation: str = "uniform"  # how a kv_budget is spread over layers: uniform or planned
     rope_method: str = "scored"
     lowrank_method: str = "rrr"
     fold: int = 1
@@ -123,8 +124,11 @@ def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True):
             raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
         budget = int(opts.kv_budget * n_layers * 2 * G * d)
         fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
+        if opts.allocation not in ("uniform", "planned"):
+            raise ConversionError(f"allocation {opts.allocation!r} is not one of uniform, planned")
         try:
             layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope,
+                                         planned=opts.allocation == "planned",
                                          progress=lambda it, desc: _progress(it, desc, quiet))
         except ValueError as exc:
             raise ConversionError(str(exc)) from exc
@@ -164,6 +168,7 @@ def effective_recipe(opts: ConvertOptions, base=None):
         name=getattr(base, "name", None),
         description=getattr(base, "description", None),
         kv_budget=opts.kv_budget,
+        allocation=opts.allocation,
         kv_lora_rank=None if budget else opts.kv_lora_rank,
         rope_dim=None if budget else opts.rope_dim,
         method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing),

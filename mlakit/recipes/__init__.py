@@ -43,6 +43,7 @@ class Recipe(_Strict):
     name: str | None = None
     description: str | None = None
     kv_budget: float | None = Field(None, gt=0, le=1)
+    allocation: Literal["uniform", "planned"] = "uniform"
     kv_lora_rank: int | Literal["full"] | None = None
     rope_dim: int | Literal["full"] | None = None
     method: MethodSpec = MethodSpec()
@@ -93,6 +94,7 @@ class Recipe(_Strict):
 
         fields = dict(
             kv_budget=self.kv_budget,
+            allocation=self.allocation,
             kv_lora_rank="full" if self.kv_lora_rank is None else self.kv_lora_rank,
             rope_dim="full" if self.rope_dim is None else self.rope_dim,
             rope_method=self.method.rope,
