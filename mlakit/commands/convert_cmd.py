@@ -36,7 +36,9 @@ _OVERRIDES = {
               help="How the rotary subspace is chosen [default: scored].")
 @click.option("--lowrank-method", type=click.Choice(["rrr", "bkv_pca", "svd"]),
               help="How the latent is factorised [default: rrr].")
-@click.option("--fold", type=int, help="FreqFold: adjacent frequencies mixed together (scored method) [default: 1].")
+@click.option("--fold", type=int,
+              help="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
+                   "(fold more when fewer rotary components are kept) [default: 0].")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
 @click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
 @click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")

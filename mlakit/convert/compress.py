@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .layer_metrics import LayerMetrics
 from .low_rank import LOWRANK_METHODS, bkv_metric, full_rank, metric_factor, output_metric, weight_svd
 from .mla_layer import AttentionWeights, MLAWeights, convert_attention
-from .rope_select import ROPE_METHODS, select_rope
+from .rope_select import ROPE_METHODS, auto_fold, select_rope
 from .rope_split import RopePlan, high_frequency_plan
 
 __all__ = ["Method", "compress_layer", "layer_plan", "factorizer"]
@@ -17,7 +17,7 @@ __all__ = ["Method", "compress_layer", "layer_plan", "factorizer"]
 class Method:
     rope: str = "scored"
     lowrank: str = "rrr"
-    fold: int = 1
+    fold: int = 0  # FreqFold; 0 = auto: fold frequencies so that about one component per group is kept
     mixing: str = "pca"
 
     def __post_init__(self):
@@ -27,15 +27,16 @@ class Method:
             raise ValueError(f"low-rank method {self.lowrank!r} is not one of {', '.join(LOWRANK_METHODS)}")
         if self.mixing not in ("pca", "none"):
             raise ValueError(f"mixing {self.mixing!r} is not one of pca, none")
-        if self.fold < 1:
-            raise ValueError("fold must be at least 1")
+        if self.fold < 0:
+            raise ValueError("fold must be 0 (auto) or a positive divisor of head_dim/2")
 
 
 def layer_plan(w: AttentionWeights, m: LayerMetrics | None, method: Method, rope_dim: int) -> RopePlan:
     full = w.num_kv_heads * w.head_dim
     if m is None or rope_dim == full:
         return high_frequency_plan(w.num_kv_heads, w.head_dim, rope_dim)
-    return select_rope(method.rope, w, m, rope_dim, fold=method.fold, mixing=method.mixing)
+    fold = method.fold or auto_fold(w.head_dim // 2, rope_dim // 2)
+    return select_rope(method.rope, w, m, rope_dim, fold=fold, mixing=method.mixing)
 
 
 def factorizer(w: AttentionWeights, m: LayerMetrics | None, method: Method, plan: RopePlan, rank: int):

@@ -42,7 +42,7 @@ class ConvertOptions:
     allocation: str = "uniform"  # how a kv_budget is spread over layers: uniform or planned
     rope_method: str = "scored"
     lowrank_method: str = "rrr"
-    fold: int = 1
+    fold: int = 0  # 0 = auto (see rope_select.auto_fold)
     mixing: str = "pca"
     calib: str = "builtin"
     calib_samples: int = 128

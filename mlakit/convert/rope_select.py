@@ -22,7 +22,7 @@ from .mla_layer import AttentionWeights
 from .rope_split import RopePlan, identity_mixing
 
 __all__ = [
-    "ROPE_METHODS", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
+    "ROPE_METHODS", "auto_fold", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
 ]
 
 ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")
@@ -92,7 +92,9 @@ def _scored(w, m, n_keep, fold, mixing):
     return _plan_from_costs(U, drop - best, rep, n_keep, fold)
 
 
-def _transmla_fold(half: int, n_keep: int) -> int:
+def auto_fold(half: int, n_keep: int) -> int:
+    """The largest divisor of d/2 that still leaves at least N_KEEP frequency groups: with few kept
+    components, folding concentrates energy so each group's leading component carries more."""
     if n_keep >= half or n_keep == 0:
         return 1
     fold = half // n_keep
@@ -103,7 +105,7 @@ def _transmla_fold(half: int, n_keep: int) -> int:
 
 def _transmla(w, m, n_keep):
     G, half = w.num_kv_heads, w.head_dim // 2
-    fold = _transmla_fold(half, n_keep)
+    fold = auto_fold(half, n_keep)
     cov = key_group_covariance(w, m.sigma, fold)
     U = pca_mixing(cov)
     energy = torch.einsum("nca,nab,ncb->nc", U, cov, U)

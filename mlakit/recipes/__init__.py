@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 class MethodSpec(_Strict):
     rope: Literal["scored", "transmla", "high", "uniform", "norm"] = "scored"
     lowrank: Literal["rrr", "bkv_pca", "svd"] = "rrr"
-    fold: int = Field(1, ge=1)
+    fold: int = Field(0, ge=0)  # 0 = auto
     mixing: Literal["pca", "none"] = "pca"
 
 
