@@ -21,7 +21,8 @@ from tests.tiny_models import assert_close
 @pytest.fixture(scope="module")
 def scaled_out(tiny_sources, tmp_path_factory):
     dest = tmp_path_factory.mktemp("load") / "llama3"
-    convert(str(tiny_sources["llama3_scaled"]), dest, ConvertOptions(dtype="float32", rope_dim=16, quiet=True))
+    opts = ConvertOptions(dtype="float32", rope_dim=16, quiet=True, calib="random", calib_samples=8, calib_seq_len=32)
+    convert(str(tiny_sources["llama3_scaled"]), dest, opts)
     return dest
 
 
