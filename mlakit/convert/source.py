@@ -58,6 +58,7 @@ class Source:
     _tensors: dict = field(default_factory=dict, repr=False)
     _shards: dict = field(default_factory=dict, repr=False)  # name -> safetensors file
     _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
+    _tokenizer: object = field(default=None, repr=False)
 
     def load_model(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         """The source as a plain transformers causal LM, in eval mode."""
@@ -93,6 +94,12 @@ class Source:
             raise SourceError(f"{path} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
 
     def tokenizer(self):
+        """The source's tokenizer (loaded once), or None when it has no tokenizer files."""
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+        return self._tokenizer
+
+    def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
         if self.gguf_file is not None:
