@@ -198,6 +198,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
         ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
     layers, plan_report = build_layers(ws, ms, shape, opts, opts.quiet)
     del ws, ms
+    reference = _reference_logits(source, opts.device) if opts.verify else None
     state = assemble_state(source, shape, layers, dtype)
     config = mla_config(source.config, shape, layers, dtype)
     check_shapes(config, state)
@@ -218,12 +219,13 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     with atomic_output(out, opts.overwrite) as tmp:
         save_state_dict(state, tmp)
         del state, layers  # the converted weights are on disk now; verification reloads them
+        source.release()
         config.to_json_file(str(tmp / "config.json"), use_diff=False)
         write_modeling_code(tmp)
         (tmp / "recipe.yaml").write_text(effective_recipe(opts, recipe).to_yaml())
         _write_tokenizer_files(source, config, tmp)
         if opts.verify:
-            report["verify"] = verify(source, tmp, opts.device)
+            report["verify"] = verify(reference, tmp, opts.device)
         report["seconds"] = round(time.time() - start, 2)
         write_json(tmp / "conversion.json", report)
     log.info("wrote %s in %.1f s", out, time.time() - start)
@@ -243,16 +245,25 @@ def _write_tokenizer_files(source: Source, config, directory: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(str(directory))
 
 
+_VERIFY_TOKENS = 32
+
+
 @torch.no_grad()
-def verify(source: Source, converted_dir: Path, device: str = "cpu", n_tokens: int = 32) -> dict:
-    """Logits of source and converted model on the same fixed tokens (float32)."""
+def _reference_logits(source: Source, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed token ids and the source's float32 logits on them."""
+    original = source.load_model(torch.float32, device)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, original.config.vocab_size, (1, _VERIFY_TOKENS), generator=gen).to(device)
+    return ids, original(ids).logits.cpu()
+
+
+@torch.no_grad()
+def verify(reference: tuple[torch.Tensor, torch.Tensor], converted_dir: Path, device: str = "cpu") -> dict:
+    """Compare the converted model's logits with the source's REFERENCE (ids, logits)."""
     from ..mla_model import load_converted
 
-    original = source.load_model(torch.float32, device)
-    converted = load_converted(converted_dir, torch.float32, device)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, original.config.vocab_size, (1, n_tokens), generator=gen).to(device)
-    a, b = original(ids).logits, converted(ids).logits
-    diff = (a - b).abs()
-    return {"tokens": n_tokens, "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
-            "top1_agreement": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+    ids, want = reference
+    got = load_converted(converted_dir, torch.float32, device)(ids).logits.cpu()
+    diff = (got - want).abs()
+    return {"tokens": ids.shape[1], "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
+            "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean())}

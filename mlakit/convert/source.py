@@ -93,6 +93,11 @@ class Source:
         except Exception as exc:  # safetensors raises its own error types
             raise SourceError(f"{path} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
 
+    def release(self) -> None:
+        """Drop the weights held in memory (GGUF sources and pickles); safetensors stay on disk."""
+        self._model = None
+        self._tensors = {}
+
     def tokenizer(self):
         """The source's tokenizer (loaded once), or None when it has no tokenizer files."""
         if self._tokenizer is None:
