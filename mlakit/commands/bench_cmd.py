@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import click
 
-from .common import IntList, quiet_transformers, user_errors
+from .common import (
+    IntList,
+    compare_device_option,
+    compare_dtype_option,
+    original_option,
+    quiet_transformers,
+    user_errors,
+)
 
 __all__ = ["bench_command"]
 
 
 @click.command("bench")
-@click.option(
-    "--original",
-    required=True,
-    metavar="SRC",
-    help="The source model: a local HF directory, a hub id, a .gguf file, or 'default'.",
-)
+@original_option
 @click.option(
     "--converted",
     required=True,
@@ -51,14 +53,8 @@ __all__ = ["bench_command"]
     show_default=True,
     help="Short untimed runs before measuring.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-    help="Both models run in this dtype (auto: bfloat16 on CUDA, float32 on CPU).",
-)
+@compare_device_option
+@compare_dtype_option
 @click.option(
     "--report",
     "report_dir",

@@ -8,7 +8,10 @@ import logging
 
 import click
 
-__all__ = ["IntList", "quiet_transformers", "rank_option_type", "setup_logging", "user_errors", "verbosity_options"]
+__all__ = [
+    "IntList", "compare_device_option", "compare_dtype_option", "original_option", "quiet_transformers",
+    "rank_option_type", "setup_logging", "user_errors", "verbosity_options",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +103,20 @@ class _RankType(click.ParamType):
 
 
 rank_option_type = _RankType()
+
+
+# Options shared by the commands that compare a converted model with its original (eval, bench).
+original_option = click.option(
+    "--original",
+    required=True,
+    metavar="SRC",
+    help="The source model: a local HF directory, a hub id, a .gguf file, or 'default'.",
+)
+compare_device_option = click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+compare_dtype_option = click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Both models run in this dtype (auto: bfloat16 on CUDA, float32 on CPU).",
+)

@@ -7,18 +7,19 @@ import click
 from mlakit.data import DataSpecError
 from mlakit.eval.samples import DEFAULT_PROMPTS
 
-from .common import quiet_transformers, user_errors
+from .common import (
+    compare_device_option,
+    compare_dtype_option,
+    original_option,
+    quiet_transformers,
+    user_errors,
+)
 
 __all__ = ["eval_command"]
 
 
 @click.command("eval")
-@click.option(
-    "--original",
-    required=True,
-    metavar="SRC",
-    help="The source model: a local HF directory, a hub id, a .gguf file, or 'default'.",
-)
+@original_option
 @click.option(
     "--converted",
     required=True,
@@ -58,14 +59,8 @@ __all__ = ["eval_command"]
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="Windows per forward pass."
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-    help="Both models run in this dtype (auto: bfloat16 on CUDA, float32 on CPU).",
-)
+@compare_device_option
+@compare_dtype_option
 @click.option(
     "--tokenizer",
     type=click.Path(exists=True, file_okay=False),
