@@ -18,7 +18,7 @@ import torch
 
 from .rope_split import RopePlan
 
-__all__ = ["AttentionWeights", "MLAWeights", "convert_attention", "nope_key_coefficients", "nope_value_map"]
+__all__ = ["AttentionWeights", "MLAWeights", "convert_attention", "grouped_keys", "nope_key_coefficients", "nope_value_map"]
 
 
 @dataclass
@@ -53,12 +53,16 @@ def _index(pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return c, g
 
 
+def grouped_keys(w: AttentionWeights, fold: int) -> torch.Tensor:
+    """Key rows regrouped by frequency group: (groups, G*fold components a = (g, jl), re/im, D+1)."""
+    G, d = w.num_kv_heads, w.head_dim
+    n_grp = d // 2 // fold
+    return w.k.double().view(G, 2, n_grp, fold, -1).permute(2, 0, 3, 1, 4).reshape(n_grp, G * fold, 2, -1)
+
+
 def _mixed_keys(w: AttentionWeights, plan: RopePlan) -> torch.Tensor:
     """Mixed key components per frequency group: (groups, G*fold, re/im, D+1)."""
-    G, d, f = w.num_kv_heads, w.head_dim, plan.fold
-    n_grp = d // 2 // f
-    k = w.k.double().view(G, 2, n_grp, f, -1).permute(2, 0, 3, 1, 4).reshape(n_grp, G * f, 2, -1)
-    return torch.einsum("nca,nahx->nchx", plan.mixing.double(), k)
+    return torch.einsum("nca,nahx->nchx", plan.mixing.double(), grouped_keys(w, plan.fold))
 
 
 def _rows(mixed: torch.Tensor, pairs) -> torch.Tensor:

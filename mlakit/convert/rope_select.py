@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from .layer_metrics import LayerMetrics
-from .mla_layer import AttentionWeights
-from .rope_split import RopePlan, identity_mixing
+from .mla_layer import AttentionWeights, grouped_keys
+from .rope_split import RopePlan, high_frequency_plan, identity_mixing
 
 __all__ = [
     "ROPE_METHODS", "auto_fold", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
@@ -30,9 +30,7 @@ ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")
 
 def key_group_covariance(w: AttentionWeights, sigma: torch.Tensor, fold: int) -> torch.Tensor:
     """(groups, G*fold, G*fold) E[Re k Re k^T + Im k Im k^T] of each frequency group's components."""
-    G, d = w.num_kv_heads, w.head_dim
-    n_grp = d // 2 // fold
-    k = w.k.double().view(G, 2, n_grp, fold, -1).permute(2, 0, 3, 1, 4).reshape(n_grp, G * fold, 2, -1)
+    k = grouped_keys(w, fold)
     return torch.einsum("nahx,xy,nbhy->nab", k, sigma.double(), k)
 
 
@@ -127,10 +125,10 @@ def select_rope(method: str, w: AttentionWeights, m: LayerMetrics, rope_dim: int
         return _scored(w, m, n_keep, fold, mixing)
     if method == "transmla":
         return _transmla(w, m, n_keep)
-    U = identity_mixing(G, d)
     if method == "high":
-        kept = [(g, j) for j in range(half) for g in range(G)][:n_keep]
-    elif method == "uniform":
+        return high_frequency_plan(G, d, rope_dim)
+    U = identity_mixing(G, d)
+    if method == "uniform":
         n_freq = -(-n_keep // G) if n_keep else 0
         freqs = sorted({int(round(x)) for x in torch.linspace(0, half - 1, n_freq).tolist()}) if n_freq else []
         kept = [(g, j) for j in freqs for g in range(G)][:n_keep]
