@@ -12,6 +12,8 @@ runs in absorbed form over the raw latent (``mla_decode``: Triton on CUDA, torch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 import transformers
@@ -23,6 +25,12 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from ..kernels.decode_dispatch import mla_decode
 from .configuration_mla import MLAConfig
+
+if TYPE_CHECKING:
+    # Never run. transformers 4.x, loading remote code from a local directory, copies only the
+    # files the modeling file imports itself; naming the kernel files here makes it copy them.
+    from ..kernels.decode_reference import mla_decode_reference  # noqa: F401
+    from ..kernels.decode_triton import mla_decode_triton  # noqa: F401
 
 try:
     from transformers.modeling_layers import GradientCheckpointingLayer as _LayerBase
