@@ -26,7 +26,7 @@ from mlakit.convert.pipeline import ConvertOptions, assemble_state, build_layers
 from mlakit.convert.rank_plan import budget_rope_dim
 from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text
-from mlakit.eval.perplexity import sliding_window_perplexity
+from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM
 
 # name -> (rope method, low-rank method, allocation)
@@ -38,6 +38,7 @@ ROWS = {
     "mlakit default: scored RoPE + RRR, uniform": ("scored", "rrr", "uniform"),
     "scored RoPE + RRR, planned ranks (--allocation planned)": ("scored", "rrr", "planned"),
 }
+DEFAULT_ROW = "mlakit default: scored RoPE + RRR, uniform"
 
 
 def build_model(source, shape, layers):
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--out", default="runs/quality_sweep")
+    ap.add_argument("--bootstrap", type=int, default=2000,
+                    help="bootstrap resamples of the evaluation windows for the 95%% intervals (0 = none)")
     args = ap.parse_args()
     torch.manual_seed(0)
     out = Path(args.out)
@@ -71,10 +74,25 @@ def main():
     tokenizer = source.tokenizer()
     ids = tokenize_text(tokenizer, load_text("builtin", "eval"))[: args.eval_tokens]
 
-    def ppl(model):
-        return sliding_window_perplexity(model, ids, args.seq_len, args.stride, batch_size=4, progress=False).ppl
+    windows = sliding_windows(int(ids.numel()), args.seq_len, args.stride)
+    scored = torch.tensor([w.n_scored for w in windows], dtype=torch.float64)
 
-    base = ppl(source.load_model(torch.float32))
+    def window_sums(model):  # summed NLL of each window's scored tokens
+        model.eval()
+        return torch.cat([window_nll(model, ids, windows[i : i + 4], "cpu") for i in range(0, len(windows), 4)])
+
+    gen = torch.Generator().manual_seed(0)
+    resamples = torch.randint(0, len(windows), (args.bootstrap, len(windows)), generator=gen)
+
+    def interval(diff):
+        """95% bootstrap interval (over windows) of the ratio exp(sum diff / scored tokens)."""
+        if args.bootstrap == 0:
+            return None
+        stats = (diff[resamples].sum(1) / scored[resamples].sum(1)).exp()
+        return [float(stats.quantile(0.025)), float(stats.quantile(0.975))]
+
+    src_sums = window_sums(source.load_model(torch.float32))
+    base = math.exp(float(src_sums.sum() / scored.sum()))
     print(f"source perplexity {base:.4f} on {ids.numel()} tokens", flush=True)
     opts = ConvertOptions(calib="builtin", calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                           quiet=True)
@@ -86,21 +104,31 @@ def main():
     if args.rows != "all":
         names = [names[int(i) - 1] for i in args.rows.split(",")]
     per_layer_src = 2 * shape["num_kv_heads"] * shape["head_dim"]
-    results = []
+    results, sum_by_row = [], {}
+    # the default row runs first, so the others can be paired with it on the same windows
+    run_order = sorted(names, key=lambda n: n != DEFAULT_ROW)
     for frac in [float(b) for b in args.budgets.split(",")]:
         per_layer = round(frac * per_layer_src)
         d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer)
-        for name in names:
+        for name in run_order:
             rope, low, allocation = ROWS[name]
             o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low)
             t = time.time()
             layers, _ = build_layers(ws, ms, shape, o)
-            p = ppl(build_model(source, shape, layers))
+            sums = window_sums(build_model(source, shape, layers))
+            p = math.exp(float(sums.sum() / scored.sum()))
             row = {"budget": frac, "values_per_token_per_layer": per_layer, "kv_reduction": round(1 - frac, 4),
                    "method": name, "rope_dim": d_r, "ranks": [lay.kv_lora_rank for lay in layers],
-                   "ppl": p, "ppl_ratio": p / base, "seconds": round(time.time() - t, 1)}
+                   "ppl": p, "ppl_ratio": p / base, "ratio_ci95": interval(sums - src_sums),
+                   "seconds": round(time.time() - t, 1)}
+            if name != DEFAULT_ROW and DEFAULT_ROW in sum_by_row.get(frac, {}):
+                # paired over the same windows: this row's perplexity / the default row's
+                row["vs_default"] = p / math.exp(float(sum_by_row[frac][DEFAULT_ROW].sum() / scored.sum()))
+                row["vs_default_ci95"] = interval(sums - sum_by_row[frac][DEFAULT_ROW])
+            sum_by_row.setdefault(frac, {})[name] = sums
             results.append(row)
-            print(f"{frac:<7} {name:48s} ppl {p:9.3f}  ratio {p / base:7.3f}", flush=True)
+            print(f"{frac:<7} {name:48s} ppl {p:9.3f}  ratio {p / base:7.3f}  CI {row['ratio_ci95']}  "
+                  f"vs default {row.get('vs_default')} CI {row.get('vs_default_ci95')}", flush=True)
 
     meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": "builtin",
             "seq_len": args.seq_len, "stride": args.stride, "calib_samples": args.calib_samples,
@@ -115,11 +143,18 @@ def main():
             row = next(r for r in results if r["budget"] == b and r["method"] == name)
             best = min(r["ppl_ratio"] for r in results if r["budget"] == b)
             cell = f"{row['ppl_ratio']:.2f}"
-            cells.append(f"**{cell}**" if math.isclose(row["ppl_ratio"], best) else cell)
+            cell = f"**{cell}**" if math.isclose(row["ppl_ratio"], best) else cell
+            if row.get("vs_default_ci95"):
+                lo, hi = row["vs_default_ci95"]
+                cell += f" ({row['vs_default']:.3f}× default, {lo:.3f}–{hi:.3f})"
+            cells.append(cell)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "sweep.md").write_text(f"Perplexity ratio (converted / source, source ppl {base:.3f}); "
-                                  f"{ids.numel()} builtin eval tokens, window {args.seq_len}, stride {args.stride}.\n\n"
+                                  f"{ids.numel()} builtin eval tokens, window {args.seq_len}, stride {args.stride}. "
+                                  f"In parentheses: perplexity relative to the default row on the same windows, "
+                                  f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
+                                  f"{len(windows)} windows.\n\n"
                                   f"{table}\n")
     print(table)
     try:

@@ -173,3 +173,33 @@ def test_cli_flags_override_recipe_and_effective_recipe_is_saved(tiny_sources, t
     assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.method.lowrank == "rrr"
     bad = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(tmp_path / "x"), "--recipe", "nope"])
     assert bad.exit_code != 0 and "neither a built-in" in bad.output
+
+
+# ---- stock-form rope (for the deepseek-v3 export) -----------------------------------------------
+
+@pytest.mark.parametrize("rope", ["scored", "transmla"])
+def test_stock_rope_keeps_every_kth_frequency_once(tiny_sources, tmp_path, rope):
+    out = tmp_path / rope
+    report = convert(str(tiny_sources["llama_gqa"]), out,
+                     ConvertOptions(kv_budget=0.5, rope_method=rope, stock_rope=True, **CALIB))
+    cfg = json.loads((out / "config.json").read_text())
+    d_r, half = cfg["qk_rope_head_dim"], cfg["head_dim"] // 2
+    assert half % (d_r // 2) == 0  # 0.4 x 32 values -> nearest allowed d_R 16 of {2, 4, 8, 16}
+    k = half // (d_r // 2)
+    for freqs in cfg["rope_freq_index"]:
+        assert sorted(freqs) == [k * s for s in range(d_r // 2)]
+    assert report["verify"]["top1_agreement"] > 0
+
+
+def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp_path):
+    from mlakit.convert.pipeline import ConversionError
+
+    src = str(tiny_sources["llama_gqa"])  # head_dim 16: allowed rope dims 2, 4, 8, 16
+    with pytest.raises(ConversionError, match=r"one of \[2, 4, 8, 16\]; got 12"):
+        convert(src, tmp_path / "a", ConvertOptions(rope_dim=12, kv_lora_rank=20, stock_rope=True, **CALIB))
+    with pytest.raises(ConversionError, match="got 32"):  # full rope, 2 KV heads: every frequency twice
+        convert(src, tmp_path / "b", ConvertOptions(stock_rope=True, **CALIB))
+    with pytest.raises(ConversionError, match="scored or transmla; got 'norm'"):
+        convert(src, tmp_path / "c", ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm",
+                                                    stock_rope=True, **CALIB))
+    assert not any(tmp_path.iterdir())

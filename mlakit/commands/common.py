@@ -9,7 +9,7 @@ import logging
 import click
 
 __all__ = [
-    "IntList", "compare_device_option", "compare_dtype_option", "original_option", "quiet_transformers",
+    "IntList", "byte_size_type", "compare_device_option", "compare_dtype_option", "original_option", "quiet_transformers",
     "rank_option_type", "setup_logging", "user_errors", "verbosity_options",
 ]
 
@@ -88,6 +88,31 @@ def quiet_transformers(quiet: bool):
     finally:
         if quiet and was_enabled:
             hf_logging.enable_progress_bar()
+
+
+class _ByteSize(click.ParamType):
+    """A memory size: bytes, or a number with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (of 1024)."""
+
+    name = "SIZE"
+    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().replace(" ", "")
+        number = text.rstrip("kmgtib")
+        unit = text[len(number):]
+        try:
+            size = float(number) * self._UNITS[unit]
+        except (ValueError, KeyError):
+            self.fail(f"{value!r} is not a memory size; write e.g. 4GB, 3.5GiB, 800MB or a number of bytes", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r} must be a positive size, e.g. 4GB", param, ctx)
+        return int(size)
+
+
+byte_size_type = _ByteSize()
 
 
 class _RankType(click.ParamType):

@@ -6,9 +6,12 @@ import json
 
 import click
 
-from ..convert.pipeline import DTYPES, convert
+from ..convert.pipeline import DTYPES
+from ..convert.rope_select import STOCK_ROPE_METHODS
+from ..convert.streaming import StreamOptions, resolve_device, run_conversion
 from ..recipes import Recipe, RecipeError
-from .common import rank_option_type, user_errors, verbosity_options
+from .common import byte_size_type, rank_option_type, user_errors, verbosity_options
+from .export_cmd import export_options
 
 __all__ = ["convert_command"]
 
@@ -16,6 +19,7 @@ __all__ = ["convert_command"]
 _OVERRIDES = {
     "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "kv_budget": "kv_budget",
     "allocation": "allocation", "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
+    "stock_rope": "stock_rope",
     "calib": "calib", "calib_samples": "calib_samples", "calib_seq_len": "calib_seq_len", "dtype": "dtype",
 }
 
@@ -39,17 +43,34 @@ _OVERRIDES = {
 @click.option("--fold", type=int,
               help="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
                    "(fold more when fewer rotary components are kept) [default: 0].")
+@click.option("--stock-rope", is_flag=True, default=None,
+              help="Keep rotary components only at every k-th source frequency, one per FreqFold group, so the "
+                   "stock deepseek-v3 export can express the rope (implied by --format deepseek-v3).")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
 @click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
 @click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), help="Output dtype; auto keeps the source's.")
-@click.option("--device", default="cpu", show_default=True, help="Device for calibration and verification passes.")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, cuda, cuda:N or auto (cuda when visible): where calibration, the per-layer math and "
+                   "verification run.")
+@click.option("--pipeline", type=click.Choice(["auto", "streaming", "in-memory"]), default="auto", show_default=True,
+              help="streaming: layer by layer, memory set by one layer, resumable (safetensors directories); "
+                   "in-memory: load the whole model. auto streams safetensors directories and loads GGUF/pickles.")
+@click.option("--resume", is_flag=True,
+              help="Streaming: continue the conversion an interrupted run left in .OUT.partial-streaming.")
+@click.option("--max-memory", type=byte_size_type,
+              help="Streaming: host RAM budget (e.g. 4GB, 3.5GiB); picks the calibration batch that fits, or "
+                   "fails early naming what to change.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-verify", is_flag=True, help="Skip reloading OUT and comparing logits with the source.")
+@click.option("--format", "fmt", type=click.Choice(["native", "deepseek-v3"]), default="native", show_default=True,
+              help="native: mlakit's MLA model; deepseek-v3: also export it to stock DeepseekV3ForCausalLM at OUT.")
+@export_options
 @verbosity_options
 @user_errors
-def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, **flags):
+def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, fmt, biases, clip_context,
+                    pipeline, resume, max_memory, **flags):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
     try:
         base = Recipe.load(recipe) if recipe else Recipe()
@@ -58,9 +79,23 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
     overrides = {_OVERRIDES[k]: v for k, v in flags.items() if v is not None}
     if ("kv_lora_rank" in overrides or "rope_dim" in overrides) and "kv_budget" not in overrides:
         overrides["kv_budget"] = None  # explicit shapes replace a recipe's budget
+    device = resolve_device(device)
     opts = base.to_options(device=device, seed=seed, overwrite=overwrite, verify=not no_verify, quiet=quiet,
                            **overrides)
-    report = convert(src, out, opts, recipe=base.model_copy(update={"name": base.name or recipe}))
+    if fmt == "deepseek-v3" and opts.rope_method in STOCK_ROPE_METHODS:
+        opts.stock_rope = True  # the export needs one stock rope table
+    named = base.model_copy(update={"name": base.name or recipe})
+    if fmt == "native":
+        stream = StreamOptions(resume=resume, max_memory=max_memory)
+        report = run_conversion(src, out, opts, pipeline, stream, recipe=named)
+    elif pipeline == "streaming" or resume or max_memory is not None:
+        raise click.UsageError(f"--format {fmt} converts in memory before exporting; --pipeline streaming, --resume "
+                               f"and --max-memory apply to --format native only")
+    else:  # convert into a temporary native checkpoint, export it to OUT
+        from ..export import ExportOptions, convert_to_format
+
+        report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=ExportOptions(
+            biases=biases, clip_context=clip_context, overwrite=overwrite, verify=not no_verify))
     per_layer = report["kv_values_per_token"] / len(report["layers"])
     summary = {
         "output": str(out),

@@ -11,11 +11,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..convert.assemble import read_attention
-from ..convert.compress import Method
 from ..convert.families import attention_shape
 from ..convert.inspect_model import latent_energy_kept, layer_spectra, spectra_summary
 from ..convert.layer_metrics import layer_metrics
-from ..convert.pipeline import ConversionError, ConvertOptions, build_layers, calibrate
+from ..convert.pipeline import ConversionError, ConvertOptions, build_layers, calibrate, method_of
 from ..convert.rank_plan import budget_rope_dim
 from ..convert.source import open_source
 from ..convert.writer import atomic_output, write_json
@@ -44,7 +43,7 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
 def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     built, plan = build_layers(ws, ms, shape, opts, quiet=opts.quiet)
-    method = Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing)
+    method = method_of(opts)
     rows = [
         {
             "layer": i,

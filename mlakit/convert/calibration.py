@@ -18,9 +18,12 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["LayerStats", "collect_stats"]
+__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LayerStats", "collect_stats", "layer_accumulator"]
 
 log = logging.getLogger(__name__)
+
+BATCH_SIZE = 8  # calibration sequences per forward pass
+ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
 
 
 @dataclass
@@ -87,8 +90,16 @@ class _Accumulator:
         return LayerStats(self.sigma / self.tokens, lag / q, self.inv_freq, self.tokens)
 
 
+def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator:
+    """Statistics of one attention module ATTN; register it with
+    ``attn.register_forward_pre_hook(acc, with_kwargs=True)``, set ``acc.with_attention`` per batch,
+    and read ``acc.result()`` after the last batch."""
+    return _Accumulator(attn, inv_freq, shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
+
+
 @torch.no_grad()
-def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = 8, attention_samples: int = 32,
+def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = BATCH_SIZE,
+                  attention_samples: int = ATTENTION_SAMPLES,
                   device: str = "cpu", quiet: bool = False) -> list[LayerStats]:
     """Run MODEL (a transformers Llama-family causal LM) over BATCHES (N, L) and return per-layer stats.
 
@@ -97,8 +108,7 @@ def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = 8
     """
     layers = model.model.layers
     inv_freq = model.model.rotary_emb.inv_freq.detach().cpu()
-    accs = [_Accumulator(layer.self_attn, inv_freq, shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
-            for layer in layers]
+    accs = [layer_accumulator(layer.self_attn, inv_freq, shape) for layer in layers]
     handles = [layer.self_attn.register_forward_pre_hook(acc, with_kwargs=True) for layer, acc in zip(layers, accs)]
     try:
         done = 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .layer_metrics import LayerMetrics
 from .low_rank import LOWRANK_METHODS, bkv_metric, full_rank, metric_factor, output_metric, weight_svd
 from .mla_layer import AttentionWeights, MLAWeights, convert_attention
-from .rope_select import ROPE_METHODS, auto_fold, select_rope
+from .rope_select import ROPE_METHODS, auto_fold, check_stock_rope_dim, select_rope
 from .rope_split import RopePlan, high_frequency_plan
 
 __all__ = ["Method", "compress_layer", "layer_plan", "factorizer"]
@@ -19,6 +19,7 @@ class Method:
     lowrank: str = "rrr"
     fold: int = 0  # FreqFold; 0 = auto: fold frequencies so that about one component per group is kept
     mixing: str = "pca"
+    stock_rope: bool = False  # rope of the form stock DeepSeek-V3 code rotates (for the deepseek-v3 export)
 
     def __post_init__(self):
         if self.rope not in ROPE_METHODS:
@@ -33,10 +34,12 @@ class Method:
 
 def layer_plan(w: AttentionWeights, m: LayerMetrics | None, method: Method, rope_dim: int) -> RopePlan:
     full = w.num_kv_heads * w.head_dim
+    if method.stock_rope:
+        check_stock_rope_dim(w.head_dim, rope_dim)  # also refuses full rope with several KV heads
     if m is None or rope_dim == full:
         return high_frequency_plan(w.num_kv_heads, w.head_dim, rope_dim)
     fold = method.fold or auto_fold(w.head_dim // 2, rope_dim // 2)
-    return select_rope(method.rope, w, m, rope_dim, fold=fold, mixing=method.mixing)
+    return select_rope(method.rope, w, m, rope_dim, fold=fold, mixing=method.mixing, stock=method.stock_rope)
 
 
 def factorizer(w: AttentionWeights, m: LayerMetrics | None, method: Method, plan: RopePlan, rank: int):

@@ -16,12 +16,13 @@ from .compress import Method, compress_layer
 from .families import attention_shape
 from .layer_metrics import layer_metrics
 from .rank_plan import plan_budget
+from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
 from .source import Source, open_source
 from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
 
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
-    "needs_calibration", "resolve_dtype",
+    "budget_values", "calibration_ids", "method_of", "needs_calibration", "resolve_dtype", "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class ConvertOptions:
     lowrank_method: str = "rrr"
     fold: int = 0  # 0 = auto (see rope_select.auto_fold)
     mixing: str = "pca"
+    stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
     calib: str = "builtin"
     calib_samples: int = 128
     calib_seq_len: int = 256
@@ -80,6 +82,14 @@ def check_ranks(opts: ConvertOptions, shape: dict) -> tuple[int, int]:
         if rope_dim % 2:
             raise ConversionError(f"--rope-dim must be even (rotary dims come in pairs); got {rope_dim}, "
                                   f"try {rope_dim - 1} or {rope_dim + 1}")
+    if opts.stock_rope and opts.rope_method not in STOCK_ROPE_METHODS:
+        raise ConversionError(f"--stock-rope works with --rope-method {' or '.join(STOCK_ROPE_METHODS)}; "
+                              f"got {opts.rope_method!r}")
+    if opts.stock_rope and not (opts.kv_budget is not None and opts.rope_dim == "full"):
+        try:
+            check_stock_rope_dim(d, rope_dim)
+        except ValueError as exc:
+            raise ConversionError(f"--stock-rope: {exc}") from exc
     rank_full = 2 * G * d - rope_dim
     if opts.kv_lora_rank == "full":
         return rank_full, rope_dim
@@ -96,20 +106,40 @@ def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
 
 def calibrate(source: Source, shape: dict, opts: ConvertOptions):
     """Per-layer statistics from the calibration text."""
+    model = source.load_model(torch.float32, opts.device)
+    ids = calibration_ids(source, opts, model.config.vocab_size)
+    return collect_stats(model, ids, shape, device=opts.device, quiet=opts.quiet)
+
+
+def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> torch.Tensor:
+    """(calib_samples, calib_seq_len) token ids of the calibration set."""
     from ..data import calibration_batches
 
-    model = source.load_model(torch.float32, opts.device)
-    n_total = opts.calib_samples
     if opts.calib == "random":  # structure tests on tokenizer-less tiny models
         gen = torch.Generator().manual_seed(opts.seed)
-        ids = torch.randint(0, model.config.vocab_size, (n_total, opts.calib_seq_len), generator=gen)
-    else:
-        tokenizer = source.tokenizer()
-        if tokenizer is None:
-            raise ConversionError(f"{source.spec} has no tokenizer files, so calibration text cannot be tokenized; "
-                                  f"add the tokenizer to the model directory")
-        ids = calibration_batches(tokenizer, opts.calib, n_total, opts.calib_seq_len, opts.seed)
-    return collect_stats(model, ids, shape, device=opts.device, quiet=opts.quiet)
+        return torch.randint(0, vocab_size, (opts.calib_samples, opts.calib_seq_len), generator=gen)
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        raise ConversionError(f"{source.spec} has no tokenizer files, so calibration text cannot be tokenized; "
+                              f"add the tokenizer to the model directory")
+    return calibration_batches(tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.seed)
+
+
+def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
+    """Checked --kv-budget and --allocation: the budget in cached values per token over all layers."""
+    if not 0 < opts.kv_budget <= 1:
+        raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
+    if opts.allocation not in ("uniform", "planned"):
+        raise ConversionError(f"allocation {opts.allocation!r} is not one of uniform, planned")
+    return int(opts.kv_budget * n_layers * 2 * shape["num_kv_heads"] * shape["head_dim"])
+
+
+def method_of(opts: ConvertOptions) -> Method:
+    """The per-layer method of OPTS; a bad combination is a ConversionError."""
+    try:
+        return Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing, opts.stock_rope)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
 
 
 def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True):
@@ -117,15 +147,10 @@ def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True):
 
     Returns (layers, plan report)."""
     n_layers = len(ws)
-    G, d = shape["num_kv_heads"], shape["head_dim"]
-    method = Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing)
+    method = method_of(opts)
     if opts.kv_budget is not None:
-        if not 0 < opts.kv_budget <= 1:
-            raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
-        budget = int(opts.kv_budget * n_layers * 2 * G * d)
+        budget = budget_values(opts, shape, n_layers)
         fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
-        if opts.allocation not in ("uniform", "planned"):
-            raise ConversionError(f"allocation {opts.allocation!r} is not one of uniform, planned")
         try:
             layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope,
                                          planned=opts.allocation == "planned",
@@ -171,7 +196,8 @@ def effective_recipe(opts: ConvertOptions, base=None):
         allocation=opts.allocation,
         kv_lora_rank=None if budget else opts.kv_lora_rank,
         rope_dim=None if budget else opts.rope_dim,
-        method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing),
+        method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing,
+                          stock_rope=opts.stock_rope),
         calibration=Calibration(data=opts.calib, samples=opts.calib_samples, seq_len=opts.calib_seq_len,
 ),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
@@ -252,9 +278,14 @@ _VERIFY_TOKENS = 32
 def _reference_logits(source: Source, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Fixed token ids and the source's float32 logits on them."""
     original = source.load_model(torch.float32, device)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, original.config.vocab_size, (1, _VERIFY_TOKENS), generator=gen).to(device)
+    ids = verify_token_ids(original.config.vocab_size).to(device)
     return ids, original(ids).logits.cpu()
+
+
+def verify_token_ids(vocab_size: int) -> torch.Tensor:
+    """The fixed (1, 32) token ids both pipelines verify on."""
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (1, _VERIFY_TOKENS), generator=gen)
 
 
 @torch.no_grad()

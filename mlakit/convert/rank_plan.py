@@ -28,16 +28,23 @@ from .low_rank import metric_spectrum, output_metric
 from .mla_layer import AttentionWeights, MLAWeights, nope_value_map
 from .rope_select import rope_error
 
-__all__ = ["ROPE_SHARE", "budget_rope_dim", "log_error_curve", "plan_ranks", "plan_budget"]
+__all__ = ["ROPE_SHARE", "budget_layout", "budget_rope_dim", "log_error_curve", "plan_ranks", "plan_budget", "uniform_ranks"]
 
 log = logging.getLogger(__name__)
 
 ROPE_SHARE = 0.4  # fraction of each layer's cached values given to the rotary key by default
 
 
-def budget_rope_dim(num_kv_heads: int, head_dim: int, per_layer_budget: float) -> int:
-    """Default shared d_R: ROPE_SHARE of the per-layer budget, a multiple of 8, within [8, G*d]."""
-    d_r = 8 * round(ROPE_SHARE * per_layer_budget / 8)
+def budget_rope_dim(num_kv_heads: int, head_dim: int, per_layer_budget: float, stock: bool = False) -> int:
+    """Default shared d_R: ROPE_SHARE of the per-layer budget, a multiple of 8, within [8, G*d].
+
+    STOCK (rope of the form stock DeepSeek-V3 rotates): the nearest d_R whose half divides
+    head_dim / 2 (every k-th frequency), the smaller one on a tie."""
+    target = ROPE_SHARE * per_layer_budget
+    if stock:
+        half = head_dim // 2
+        return min((2 * n for n in range(1, half + 1) if half % n == 0), key=lambda a: (abs(a - target), a))
+    d_r = 8 * round(target / 8)
     return int(min(num_kv_heads * head_dim, max(8, d_r)))
 
 
@@ -87,22 +94,35 @@ def plan_ranks(curves: list[torch.Tensor], rank_budget: int, min_rank: int = 4) 
     return ranks
 
 
+def budget_layout(n_layers: int, num_kv_heads: int, head_dim: int, budget: int,
+                  rope_dim: int | None = None, stock: bool = False) -> tuple[int, int]:
+    """(shared d_R, values left for the latents of all layers) of a BUDGET of values per token."""
+    if rope_dim is None:
+        rope_dim = budget_rope_dim(num_kv_heads, head_dim, budget / n_layers, stock)
+    d_r = rope_dim
+    rank_budget = budget - n_layers * d_r
+    if rank_budget < 4 * n_layers:
+        raise ValueError(f"a KV budget of {budget} values per token leaves {rank_budget} for the latents of "
+                         f"{n_layers} layers after rope dims {d_r}; raise --kv-budget or lower --rope-dim")
+    return d_r, rank_budget
+
+
+def uniform_ranks(n_layers: int, num_kv_heads: int, head_dim: int, d_r: int, rank_budget: int) -> list[int]:
+    """The same latent rank in every layer, capped at full rank."""
+    return [min(2 * num_kv_heads * head_dim - d_r, rank_budget // n_layers)] * n_layers
+
+
 def plan_budget(ws: list[AttentionWeights], ms: list[LayerMetrics], method: Method, budget: int,
                 rope_dim: int | None = None, planned: bool = False,
                 progress=lambda it, desc: it) -> tuple[list[MLAWeights], dict]:
     """Build every layer within BUDGET values per token (sum over layers of r + d_R): the same rank
     in every layer, or (PLANNED) ranks from the log-error curves."""
     n, w0 = len(ws), ws[0]
-    d_r = budget_rope_dim(w0.num_kv_heads, w0.head_dim, budget / n) if rope_dim is None else rope_dim
-    rank_budget = budget - n * d_r
-    if rank_budget < 4 * n:
-        raise ValueError(f"a KV budget of {budget} values per token leaves {rank_budget} for the latents of "
-                         f"{n} layers after rope dims {d_r}; raise --kv-budget or lower --rope-dim")
+    d_r, rank_budget = budget_layout(n, w0.num_kv_heads, w0.head_dim, budget, rope_dim, method.stock_rope)
     if planned:
         curves = [log_error_curve(w, m, method, d_r) for w, m in progress(list(zip(ws, ms)), "planning ranks")]
         ranks = plan_ranks(curves, rank_budget)
     else:
-        full = 2 * w0.num_kv_heads * w0.head_dim - d_r
-        ranks = [min(full, rank_budget // n)] * n
+        ranks = uniform_ranks(n, w0.num_kv_heads, w0.head_dim, d_r, rank_budget)
     layers = [compress_layer(w, m, method, d_r, r) for w, m, r in progress(list(zip(ws, ms, ranks)), "converting")]
     return layers, {"rope_dim": d_r, "ranks": ranks}

@@ -11,6 +11,12 @@ Methods, all restricted to one shared rope key of d_R dims so they are comparabl
                 of the queries that read the component x how far those heads look back at that
                 frequency (calibrated attention lag profile). With folding, the phase error of
                 rotating at one representative frequency is charged against the gain.
+
+``stock=True`` (scored and transmla) restricts a plan to the form stock DeepSeek-V3 code can
+rotate: one component per group of ``fold`` frequencies, rotating at the group's first
+(highest) frequency, so the kept frequencies are {0, k, 2k, ...} and one rope table with a
+rescaled base reproduces them (see ``mlakit.export``). Which component each group keeps is
+still the method's choice; the phase error of the fixed representative is charged for it.
 """
 
 from __future__ import annotations
@@ -22,10 +28,27 @@ from .mla_layer import AttentionWeights, grouped_keys
 from .rope_split import RopePlan, high_frequency_plan, identity_mixing
 
 __all__ = [
-    "ROPE_METHODS", "auto_fold", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
+    "ROPE_METHODS", "STOCK_ROPE_METHODS", "auto_fold", "check_stock_rope_dim", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
 ]
 
 ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")
+STOCK_ROPE_METHODS = ("scored", "transmla")
+
+
+def check_stock_rope_dim(head_dim: int, rope_dim: int) -> None:
+    """Stock form keeps every k-th frequency: d_R / 2 must divide head_dim / 2."""
+    half, n_keep = head_dim // 2, rope_dim // 2
+    if n_keep == 0 or half % n_keep:
+        allowed = [2 * n for n in range(1, half + 1) if half % n == 0]
+        raise ValueError(f"stock-form rope (for the deepseek-v3 export) keeps every k-th of the {half} rotary "
+                         f"frequencies, so the rope dim must be one of {allowed}; got {rope_dim}")
+
+
+def _stock_plan(U: torch.Tensor, gain: torch.Tensor, fold: int) -> RopePlan:
+    """One component per group (the largest GAIN), rotating at the group's first frequency."""
+    best = gain.argmax(dim=1)
+    kept = [(int(best[g]), g) for g in range(U.shape[0])]
+    return RopePlan(U, kept, [g * fold for g in range(U.shape[0])], fold)
 
 
 def key_group_covariance(w: AttentionWeights, sigma: torch.Tensor, fold: int) -> torch.Tensor:
@@ -81,11 +104,13 @@ def rope_error(plan: RopePlan, w: AttentionWeights, m: LayerMetrics) -> float:
     return total
 
 
-def _scored(w, m, n_keep, fold, mixing):
+def _scored(w, m, n_keep, fold, mixing, stock=False):
     G = w.num_kv_heads
     cov = key_group_covariance(w, m.sigma, fold)
     U = pca_mixing(cov) if mixing == "pca" else identity_mixing(G, w.head_dim, fold)
     drop, keep = component_costs(U, fold, w, m)
+    if stock:
+        return _stock_plan(U, drop - keep[..., 0], fold)
     best, rep = keep.min(dim=-1)
     return _plan_from_costs(U, drop - best, rep, n_keep, fold)
 
@@ -101,12 +126,14 @@ def auto_fold(half: int, n_keep: int) -> int:
     return fold
 
 
-def _transmla(w, m, n_keep):
+def _transmla(w, m, n_keep, stock=False):
     G, half = w.num_kv_heads, w.head_dim // 2
     fold = auto_fold(half, n_keep)
     cov = key_group_covariance(w, m.sigma, fold)
     U = pca_mixing(cov)
     energy = torch.einsum("nca,nab,ncb->nc", U, cov, U)
+    if stock:
+        return _stock_plan(U, energy, fold)
     n_grp = U.shape[0]
     per_group = -(-n_keep // n_grp)
     rank = torch.arange(U.shape[1])[None].expand(n_grp, -1)
@@ -116,15 +143,23 @@ def _transmla(w, m, n_keep):
 
 
 def select_rope(method: str, w: AttentionWeights, m: LayerMetrics, rope_dim: int, fold: int = 1,
-                mixing: str = "pca") -> RopePlan:
+                mixing: str = "pca", stock: bool = False) -> RopePlan:
     G, d = w.num_kv_heads, w.head_dim
     half, n_keep = d // 2, rope_dim // 2
+    if stock:
+        if method not in STOCK_ROPE_METHODS:
+            raise ValueError(f"stock-form rope works with the rope methods {', '.join(STOCK_ROPE_METHODS)}, "
+                             f"not {method!r}")
+        check_stock_rope_dim(d, rope_dim)
+        if fold != half // n_keep:
+            raise ValueError(f"stock-form rope at rope dim {rope_dim} folds {half // n_keep} frequencies per group; "
+                             f"got fold {fold} (use fold 0 = auto)")
     if method == "scored":
         if half % fold:
             raise ValueError(f"fold {fold} does not divide head_dim/2 = {half}")
-        return _scored(w, m, n_keep, fold, mixing)
+        return _scored(w, m, n_keep, fold, mixing, stock)
     if method == "transmla":
-        return _transmla(w, m, n_keep)
+        return _transmla(w, m, n_keep, stock)
     if method == "high":
         return high_frequency_plan(G, d, rope_dim)
     U = identity_mixing(G, d)

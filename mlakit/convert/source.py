@@ -76,6 +76,11 @@ class Source:
             model = AutoModelForCausalLM.from_pretrained(str(self.directory), dtype=dtype)
         return model.to(device).eval()
 
+    @property
+    def lazy(self) -> bool:
+        """True when every tensor is read from safetensors on demand (nothing held in memory)."""
+        return bool(self._shards) and not self._tensors and self.gguf_file is None
+
     def tensor_names(self) -> list[str]:
         return sorted(set(self._tensors) | set(self._shards))
 

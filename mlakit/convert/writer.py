@@ -13,7 +13,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["OutputExistsError", "atomic_output", "save_state_dict", "write_modeling_code", "write_json", "MODEL_FILES"]
+__all__ = [
+    "OutputExistsError", "atomic_output", "check_output", "publish", "save_state_dict", "write_modeling_code", "write_json",
+    "MODEL_FILES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +43,36 @@ class OutputExistsError(FileExistsError):
 @contextlib.contextmanager
 def atomic_output(out: Path, overwrite: bool):
     """Yield a fresh temporary directory; on success it replaces OUT, on any error it is removed."""
+    out = check_output(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield tmp
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_output(out: Path, overwrite: bool) -> Path:
+    """OUT resolved; an error if it exists (without OVERWRITE) or is not a directory."""
     out = Path(out).resolve()
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it or choose another path")
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory; remove it or choose another path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return out
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished directory TMP to OUT, replacing an existing OUT only once TMP is complete."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 2 * 1024**3) -> list[str]:

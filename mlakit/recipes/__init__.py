@@ -31,6 +31,7 @@ class MethodSpec(_Strict):
     lowrank: Literal["rrr", "bkv_pca", "svd"] = "rrr"
     fold: int = Field(0, ge=0)  # 0 = auto
     mixing: Literal["pca", "none"] = "pca"
+    stock_rope: bool = False  # rope the stock deepseek-v3 export can express
 
 
 class Calibration(_Strict):
@@ -101,6 +102,7 @@ class Recipe(_Strict):
             lowrank_method=self.method.lowrank,
             fold=self.method.fold,
             mixing=self.method.mixing,
+            stock_rope=self.method.stock_rope,
             calib=self.calibration.data,
             calib_samples=self.calibration.samples,
             calib_seq_len=self.calibration.seq_len,

@@ -1,0 +1,85 @@
+"""`mla-convert export OUT DEST --format deepseek-v3`."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ..export import ExportOptions, export
+from ..export.deepseek_v3 import BIAS_POLICIES
+from .common import user_errors, verbosity_options
+
+__all__ = ["export_command", "export_options"]
+
+
+def export_options(fn):
+    """Options shared by `export` and `convert --format deepseek-v3`."""
+    for option in reversed(
+        (
+            click.option(
+                "--biases",
+                type=click.Choice(BIAS_POLICIES),
+                default="refuse",
+                show_default=True,
+                help="Attention biases (Qwen2): refuse; drop them (lossy, loads everywhere); or hf-exact "
+                "(exact in transformers, not loadable by vLLM/SGLang).",
+            ),
+            click.option(
+                "--clip-context",
+                is_flag=True,
+                help="Sliding-window models: set max_position_embeddings to the window, the length up "
+                "to which the window-less export is exact.",
+            ),
+        )
+    ):
+        fn = option(fn)
+    return fn
+
+
+@click.command("export")
+@click.argument("out", type=click.Path(exists=True, file_okay=False))
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["deepseek-v3"]),
+    default="deepseek-v3",
+    show_default=True,
+    help="Target format: stock transformers DeepseekV3ForCausalLM (served by vLLM and SGLang).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default="auto",
+    show_default=True,
+    help="Export dtype; auto keeps OUT's. float16 is refused (see --help of the format).",
+)
+@export_options
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--no-verify", is_flag=True, help="Skip comparing the export's logits with OUT's.")
+@verbosity_options
+@user_errors
+def export_command(out, dest, fmt, dtype, biases, clip_context, overwrite, no_verify, quiet):
+    """Export the native mlakit checkpoint OUT (written by `mla-convert convert`) to DEST in another format."""
+    opts = ExportOptions(
+        format=fmt,
+        dtype=dtype,
+        biases=biases,
+        clip_context=clip_context,
+        overwrite=overwrite,
+        verify=not no_verify,
+    )
+    report = export(out, dest, opts)
+    click.echo(
+        json.dumps(
+            {
+                "output": str(dest),
+                "format": fmt,
+                "checks": report["checks"],
+                "verify": report.get("verify"),
+                "seconds": report["seconds"],
+            },
+            indent=2,
+        )
+    )

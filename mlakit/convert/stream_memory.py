@@ -1,0 +1,84 @@
+"""Host-memory estimate of one streaming step, and the calibration batch that fits ``--max-memory``.
+
+The estimate counts the tensors one layer step holds at once (from the config's shapes), on top
+of the process's resident memory when the conversion starts:
+- the layer's source tensors (source dtype) and its float32 module for the forward pass;
+- per calibration batch: hidden states in and out, the MLP intermediates, q/k/v, the attention
+  probabilities (materialised by the CPU attention and again by the lag-profile statistics) and
+  the float64 bias-augmented input of the moment accumulator;
+- the float64 conversion math: E[x~ x~^T] and its square root with eigh workspace, the
+  bias-augmented q/k/v maps, the joint key/value map W_y and its SVD factors, and the
+  output metric with its square roots;
+- the converted layer's output tensors.
+It is an estimate for choosing a batch size and refusing hopeless settings early; the bench
+(bench/scale_bench.py) reports it beside the measured peak.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes"]
+
+_F32, _F64 = 4, 8
+
+
+def current_rss() -> int:
+    """Resident set size of this process now, in bytes (0 where /proc is unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _dtype_bytes(config) -> int:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), torch.float32)
+    return torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32).element_size()
+
+
+def estimate_step_bytes(config, shape: dict, seq_len: int, batch: int, device: str = "cpu") -> dict:
+    """Bytes held by one layer step, by part (see the module docstring)."""
+    D, H, G, d = shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    inter = config.intermediate_size
+    params = 2 * D * H * d + 2 * D * G * d + 3 * D * inter + 2 * D
+    X, rows = D + 1, 2 * G * d
+    tokens = batch * seq_len
+    parts = {
+        "layer_tensors": params * _dtype_bytes(config),
+        "output_tensors": params * _dtype_bytes(config),
+        "forward_module": params * _F32,
+        "forward_activations": _F32
+        * (4 * tokens * D + 3 * tokens * inter + tokens * (H + 2 * G) * d + 3 * batch * H * seq_len * seq_len)
+        + 2 * _F64 * tokens * X,
+        "conversion_math": _F64 * (4 * X * X + (H * d + 2 * G * d) * X + 3 * rows * X + 3 * rows * rows),
+    }
+    if device != "cpu":  # forward passes and the float64 math run on the accelerator
+        parts["forward_module"] = parts["forward_activations"] = parts["conversion_math"] = 0
+    forward = parts["forward_module"] + parts["forward_activations"]
+    parts["step_peak"] = (
+        parts["layer_tensors"] + parts["output_tensors"] + max(forward, parts["conversion_math"])
+    )
+    return parts
+
+
+def choose_batch_size(
+    config, shape: dict, seq_len: int, batch_max: int, max_memory: int | None, device: str = "cpu"
+) -> int:
+    """The largest calibration batch (<= BATCH_MAX sequences) whose estimated peak fits MAX_MEMORY bytes."""
+    if max_memory is None:
+        return batch_max
+    base = current_rss()
+    for batch in range(batch_max, 0, -1):
+        if base + estimate_step_bytes(config, shape, seq_len, batch, device)["step_peak"] <= max_memory:
+            return batch
+    need = base + estimate_step_bytes(config, shape, seq_len, 1, device)["step_peak"]
+    raise ValueError(
+        f"--max-memory {max_memory / 2**30:.2f} GiB is below the estimated {need / 2**30:.2f} GiB one layer step "
+        f"needs even with one calibration sequence per batch (process {base / 2**30:.2f} GiB + one layer's tensors "
+        f"and float64 math); raise --max-memory, lower --calib-seq-len, or use --device cuda"
+    )

@@ -1,0 +1,8 @@
+"""Exports of native mlakit checkpoints to formats other loaders read (stock DeepSeek-V3)."""
+
+from __future__ import annotations
+
+from .deepseek_v3 import ExportError
+from .run import FORMATS, ExportOptions, convert_to_format, export
+
+__all__ = ["FORMATS", "ExportError", "ExportOptions", "convert_to_format", "export"]

@@ -1,0 +1,238 @@
+"""Export orchestration: read a native mlakit checkpoint, map it (``deepseek_v3.py``), write the
+stock checkpoint atomically with tokenizer files and an export report, and verify it.
+
+All disk reads and writes of an export live here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..convert.source import TOKENIZER_FILES
+from ..convert.writer import atomic_output, save_state_dict, write_json
+from .deepseek_v3 import ExportError, check_dtype, check_window, layer_tensors, plan_export, stock_config
+
+__all__ = ["FORMATS", "ExportOptions", "convert_to_format", "export", "read_native"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("native", "deepseek-v3")
+_PROVENANCE = ("conversion.json", "recipe.yaml")
+_VERIFY_TOKENS = 32
+
+
+@dataclass
+class ExportOptions:
+    format: str = "deepseek-v3"
+    dtype: str = "auto"
+    biases: str = "refuse"
+    clip_context: bool = False
+    overwrite: bool = False
+    verify: bool = True
+
+
+class _Native:
+    """A native checkpoint directory: its MLAConfig and a lazy name -> float64 tensor reader."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        from ..mla_model.configuration_mla import MLAConfig
+
+        self.directory = Path(directory)
+        cfg_path = self.directory / "config.json"
+        if not cfg_path.is_file():
+            raise ExportError(
+                f"{self.directory} has no config.json; pass the directory `mla-convert convert` wrote"
+            )
+        model_type = json.loads(cfg_path.read_text()).get("model_type")
+        if model_type != MLAConfig.model_type:
+            raise ExportError(
+                f"{self.directory} holds model_type {model_type!r}, not a native mlakit checkpoint "
+                f"({MLAConfig.model_type!r}); convert it first with `mla-convert convert`"
+            )
+        self.config = MLAConfig.from_pretrained(str(self.directory))
+        self._where = {}
+        for path in sorted(self.directory.glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                self._where.update(dict.fromkeys(f.keys(), path))
+        if not self._where:
+            raise ExportError(f"{self.directory} has no .safetensors weights")
+        with safe_open(str(self._where["model.embed_tokens.weight"]), framework="pt") as f:
+            self.dtype = f.get_tensor("model.embed_tokens.weight").dtype
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._where:
+            raise ExportError(f"{self.directory}: tensor {name} is missing; re-run `mla-convert convert`")
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name).double()
+
+
+def read_native(directory) -> _Native:
+    return _Native(Path(directory))
+
+
+_LAYER_NAMES = (
+    "self_attn.q_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attn.kv_b_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_LAYER_BIASES = ("self_attn.q_proj.bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")
+
+
+def _stock_state(native: _Native, plan, dtype) -> tuple[dict, list[dict], dict]:
+    """(state dict, per-layer facts, dropped biases {name: max |b|})."""
+    cfg = native.config
+    s = plan.residual
+    state, facts, dropped = {}, [], {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        t = {k: native.tensor(p + k) for k in _LAYER_NAMES}
+        for k in _LAYER_BIASES:
+            if native.has(p + k):
+                t[k] = native.tensor(p + k)
+                if not plan.keep_biases:
+                    dropped[p + k] = float(t[k].abs().max())
+        norm_in = native.tensor(p + "input_layernorm.weight")
+        layer, fact = layer_tensors(plan, t, cfg.rope_freq_index[i], norm_in, p)
+        layer[p + "input_layernorm.weight"] = norm_in
+        layer[p + "post_attention_layernorm.weight"] = native.tensor(p + "post_attention_layernorm.weight")
+        state.update({k: v.to(dtype).contiguous() for k, v in layer.items()})
+        facts.append({"layer": i} | fact)
+    embed = native.tensor("model.embed_tokens.weight")
+    head = native.tensor("lm_head.weight") if native.has("lm_head.weight") else embed
+    state["model.embed_tokens.weight"] = (embed * s).to(dtype)
+    state["lm_head.weight"] = head.to(dtype).contiguous()  # untied: the final norm undoes s
+    state["model.norm.weight"] = native.tensor("model.norm.weight").to(dtype)
+    return state, facts, dropped
+
+
+def _copy_side_files(native_dir: Path, dest: Path) -> list[str]:
+    copied = []
+    for name in (*TOKENIZER_FILES, *_PROVENANCE):
+        src = native_dir / name
+        if src.is_file():
+            shutil.copy2(src, dest / ("native_" + name if name in _PROVENANCE else name))
+            copied.append(name)
+    return copied
+
+
+@torch.no_grad()
+def _verify(native_dir: Path, export_dir: Path, max_positions: int) -> dict:
+    """Logits of the stock model (stock transformers class) against the native model, float32."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from ..mla_model import load_converted
+
+    native = load_converted(native_dir, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, native.config.vocab_size, (1, min(_VERIFY_TOKENS, max_positions)), generator=gen)
+    want = native(ids).logits
+    stock = DeepseekV3ForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
+    got = stock(ids).logits
+    return {
+        "tokens": ids.shape[1],
+        "max_abs_logit_diff_fp32": float((got - want).abs().max()),
+        "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
+    }
+
+
+def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
+    """Export the native checkpoint NATIVE_DIR as OPTS.format at DEST; returns the export report."""
+    opts = opts or ExportOptions()
+    if opts.format != "deepseek-v3":
+        raise ExportError(f"--format {opts.format!r} cannot be exported; the export formats are: deepseek-v3")
+    start = time.time()
+    native_dir, dest = Path(native_dir), Path(dest)
+    native = read_native(native_dir)
+    cfg = native.config
+    dtype = check_dtype(opts.dtype, native.dtype)
+    max_positions = check_window(cfg.attention_window, cfg.max_position_embeddings, opts.clip_context)
+    plan, rope = plan_export(cfg, opts.biases)
+    fields = stock_config(cfg, plan, rope, max_positions, dtype)
+    state, facts, dropped = _stock_state(native, plan, dtype)
+    from transformers import DeepseekV3Config, GenerationConfig
+
+    config = DeepseekV3Config(**fields)
+    report = {
+        "format": "deepseek-v3",
+        "native": str(native_dir),
+        "settings": asdict(opts) | {"dtype": str(dtype).replace("torch.", "")},
+        "checks": {
+            "uniform_kv_lora_rank": plan.rank,
+            "uniform_qk_rope_head_dim": plan.rope_dim,
+            "rope": {
+                "source_table_stride": plan.stride,
+                "stock_rope_parameters": rope,
+                "kept_source_frequencies": [plan.stride * s for s in range(plan.rope_dim // 2)],
+                "rope_interleave": True,
+            },
+            "softmax_scale": {"native": cfg.softmax_scale, "q_prescale": plan.q_scale},
+            "rms_norm_eps": {"source": cfg.rms_norm_eps, "pinned": plan.eps, "residual_scale": plan.residual},
+            "biases": {"present": plan.present_biases, "policy": opts.biases, "dropped_max_abs": dropped},
+            "sliding_window": {"native": cfg.attention_window, "max_position_embeddings": max_positions},
+            "dtype": str(dtype).replace("torch.", ""),
+        },
+        "layers": facts,
+    }
+    with atomic_output(dest, opts.overwrite) as tmp:
+        save_state_dict(state, tmp)
+        del state
+        config.save_pretrained(str(tmp))
+        report["copied"] = _copy_side_files(native_dir, tmp)
+        if not (tmp / "generation_config.json").is_file():
+            GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        if opts.verify:
+            report["verify"] = _verify(native_dir, tmp, max_positions)
+        report["seconds"] = round(time.time() - start, 2)
+        write_json(tmp / "export.json", report)
+    log.info("exported %s to %s in %.1f s", native_dir, dest, time.time() - start)
+    return report
+
+
+def convert_to_format(
+    fmt: str, src: str, out, convert_opts, recipe=None, export_opts: ExportOptions | None = None
+):
+    """`convert --format`: native writes OUT directly; deepseek-v3 converts into a temporary native
+    checkpoint beside OUT, exports it to OUT and removes the temporary one."""
+    from ..convert.pipeline import ConversionError, convert
+
+    if fmt not in FORMATS:
+        raise ConversionError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if fmt == "native":
+        return convert(src, out, convert_opts, recipe=recipe)
+    out = Path(out)
+    if out.exists() and not convert_opts.overwrite:
+        raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
+    if convert_opts.dtype in ("float16", "fp16"):
+        check_dtype(convert_opts.dtype, torch.float16)
+    if convert_opts.kv_budget is not None and convert_opts.allocation == "planned":
+        raise ConversionError(
+            "--allocation planned gives each layer its own rank, which deepseek-v3 cannot hold; "
+            "use --allocation uniform with --format deepseek-v3"
+        )
+    export_opts = export_opts or ExportOptions(overwrite=convert_opts.overwrite, verify=convert_opts.verify)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.native-", dir=out.parent) as tmp:
+        report = convert(src, Path(tmp) / "native", convert_opts, recipe=recipe)
+        if export_opts.dtype == "auto" and report["settings"]["dtype"] == "float16":
+            log.warning("the source is float16, which deepseek-v3 cannot hold; exporting bfloat16")
+            export_opts = replace(export_opts, dtype="bfloat16")
+        report["export"] = export(Path(tmp) / "native", out, export_opts)
+    return report

@@ -1,0 +1,340 @@
+"""Streaming (layer-wise) conversion: same checkpoint as the in-memory pipeline, resume, CLI, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mlakit import load_converted
+from mlakit.cli import cli
+from mlakit.convert import streaming
+from mlakit.convert.pipeline import ConversionError, ConvertOptions, convert
+from mlakit.convert.shard_stream import ShardLayout, read_header
+from mlakit.convert.streaming import StreamOptions, choose_pipeline, convert_streaming
+from mlakit.convert.work_dir import work_dir_for
+from tests.tiny_models import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+CALIB = dict(calib="random", calib_samples=12, calib_seq_len=24, dtype="float32", quiet=True)
+SETTINGS = {
+    "full": {},
+    "compressed": dict(kv_lora_rank=20, rope_dim=8),
+    "planned": dict(kv_budget=0.4, allocation="planned"),
+}
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 96, (2, 20), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def deep_source(tmp_path_factory):
+    """A 5-layer tiny Llama (GQA, biases on) saved as safetensors: enough layers to interrupt mid-way."""
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        max_position_embeddings=128,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.config.architectures = ["LlamaForCausalLM"]
+    path = tmp_path_factory.mktemp("deep") / "src"
+    model.save_pretrained(str(path))
+    return path
+
+
+def _logits(path, ids):
+    with torch.no_grad():
+        return load_converted(path)(ids).logits
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_same_checkpoint(got: Path, want: Path) -> None:
+    a, b = _tensors(got), _tensors(want)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+    assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2", "mistral"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_streaming_matches_in_memory(tiny_sources, tmp_path, ids, family, setting):
+    """Same calibration, same math, same layer modules: the logits agree to 1e-6 (observed: bitwise
+    equal on CPU), and the layer-wise verification reproduces the reload-based one."""
+    opts = ConvertOptions(**SETTINGS[setting], **CALIB)
+    mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
+    got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
+    err = assert_close(
+        f"{family} {setting} streaming vs in-memory",
+        _logits(tmp_path / "stream", ids),
+        _logits(tmp_path / "mem", ids),
+        atol=1e-6,
+    )
+    print(f"{family} {setting}: max |dlogit| {err:.2e} (bound 1e-6)")
+    assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"]
+    assert got["pipeline"]["name"] == "streaming"
+    assert_close(
+        "verify max diff",
+        torch.tensor(got["verify"]["max_abs_logit_diff"]),
+        torch.tensor(mem["verify"]["max_abs_logit_diff"]),
+        atol=1e-6,
+    )
+    names = {p.name for p in (tmp_path / "stream").iterdir()}
+    assert names == {p.name for p in (tmp_path / "mem").iterdir()}
+    assert not list(tmp_path.glob(".stream.partial-*"))
+
+
+def test_multi_shard_output_loads_and_equals_single_shard(deep_source, tmp_path, ids):
+    opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "one", opts)
+    convert_streaming(str(deep_source), tmp_path / "many", opts, StreamOptions(max_shard_bytes=40_000))
+    shards = sorted(p.name for p in (tmp_path / "many").glob("*.safetensors"))
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    assert len(shards) > 3 and set(index["weight_map"].values()) == set(shards)
+    for shard in shards:  # every shard within the limit unless it holds one bigger tensor
+        meta = read_header(tmp_path / "many" / shard)
+        assert (
+            len(meta) == 1
+            or sum(m["data_offsets"][1] - m["data_offsets"][0] for m in meta.values()) <= 40_000
+        )
+    _assert_same_checkpoint(tmp_path / "many", tmp_path / "one")
+    assert torch.equal(_logits(tmp_path / "many", ids), _logits(tmp_path / "one", ids))
+
+
+def test_shard_layout_is_greedy_in_order():
+    entries = [(f"t{i}", (10,), torch.float32) for i in range(5)]  # 40 bytes each
+    layout = ShardLayout(entries, max_shard_bytes=100)
+    assert layout.shards == [[0, 1], [2, 3], [4]]
+    assert layout.files[0] == "model-00001-of-00003.safetensors"
+    assert ShardLayout(entries, max_shard_bytes=1000).files == ["model.safetensors"]
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("setting", ["compressed", "planned"])
+def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_path, monkeypatch, setting):
+    opts = ConvertOptions(**SETTINGS[setting], **CALIB)
+    stream = StreamOptions(max_shard_bytes=40_000, batch_size=5)  # shard boundaries inside layers
+    convert_streaming(str(deep_source), tmp_path / "reference", opts, stream)
+
+    out = tmp_path / "out"
+    real = streaming._Runner._commit
+    calls = []
+
+    def failing_commit(self, writer):
+        real(self, writer)
+        calls.append(len(self.state["layers"]) + self.state.get("stats_done", 0))
+        if calls[-1] == 3:  # compressed: after layer 3 of 5; planned: after 3 layers' statistics
+            raise _Interrupt
+
+    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
+    with pytest.raises(_Interrupt):
+        convert_streaming(str(deep_source), out, opts, stream)
+    monkeypatch.setattr(streaming._Runner, "_commit", real)
+    work = work_dir_for(out)
+    assert not out.exists() and (work / "state.json").is_file()
+
+    with pytest.raises(ConversionError, match="--resume"):
+        convert_streaming(str(deep_source), out, opts, stream)
+    report = convert_streaming(
+        str(deep_source), out, opts, StreamOptions(max_shard_bytes=40_000, batch_size=5, resume=True)
+    )
+    assert report["pipeline"]["resumed_from_layer"] == (3 if setting == "compressed" else 0)
+    assert not work.exists()
+    _assert_same_checkpoint(out, tmp_path / "reference")
+    assert report["verify"] == json.loads((tmp_path / "reference" / "conversion.json").read_text())["verify"]
+
+
+def test_killed_process_resumes_to_identical_output(deep_source, tmp_path):
+    """SIGKILL right after the second layer's commit (no cleanup runs), then --resume."""
+    opts = dict(kv_lora_rank=20, rope_dim=8, **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "reference", ConvertOptions(**opts))
+    out = tmp_path / "out"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from mlakit.convert import streaming
+        from mlakit.convert.pipeline import ConvertOptions
+        real = streaming._Runner._commit
+        def commit(self, writer):
+            real(self, writer)
+            if len(self.state["layers"]) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        streaming._Runner._commit = commit
+        streaming.convert_streaming({str(deep_source)!r}, {str(out)!r}, ConvertOptions(**{opts!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    state = json.loads((work_dir_for(out) / "state.json").read_text())
+    assert len(state["layers"]) == 2 and not out.exists()
+    report = convert_streaming(str(deep_source), out, ConvertOptions(**opts), StreamOptions(resume=True))
+    assert report["pipeline"]["resumed_from_layer"] == 2
+    _assert_same_checkpoint(out, tmp_path / "reference")
+
+
+def test_resume_with_changed_settings_is_refused(deep_source, tmp_path, monkeypatch):
+    opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
+
+    def boom(self, *args):
+        raise _Interrupt
+
+    monkeypatch.setattr(streaming._Runner, "_convert_layer", boom)
+    with pytest.raises(_Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts)
+    assert not work_dir_for(tmp_path / "out").exists()  # nothing finished: nothing kept
+    monkeypatch.undo()
+
+    real = streaming._Runner._commit
+
+    def failing_commit(self, writer):
+        real(self, writer)
+        if self.state["layers"]:
+            raise _Interrupt
+
+    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
+    with pytest.raises(_Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts)
+    monkeypatch.undo()
+    changed = ConvertOptions(**{**SETTINGS["compressed"], "kv_lora_rank": 16}, **CALIB)
+    with pytest.raises(ConversionError, match="settings kv_lora_rank differ"):
+        convert_streaming(str(deep_source), tmp_path / "out", changed, StreamOptions(resume=True))
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(cli, ["convert", *map(str, args), "-q"])
+    return result.exit_code, result.output + (str(result.exception) if result.exception else "")
+
+
+def test_cli_streams_safetensors_by_default_and_in_memory_on_request(tiny_sources, tmp_path, ids):
+    args = [
+        "--kv-lora-rank",
+        24,
+        "--rope-dim",
+        8,
+        "--calib",
+        "random",
+        "--calib-samples",
+        8,
+        "--calib-seq-len",
+        16,
+        "--dtype",
+        "float32",
+    ]
+    src = tiny_sources["qwen2"]
+    code, text = run_cli(src, tmp_path / "auto", *args, "--max-memory", "64GB", "--device", "auto")
+    assert code == 0, text
+    report = json.loads((tmp_path / "auto" / "conversion.json").read_text())
+    assert report["pipeline"]["name"] == "streaming" and report["pipeline"]["calibration_batch"] == 8
+    code, text = run_cli(src, tmp_path / "mem", *args, "--pipeline", "in-memory")
+    assert code == 0, text
+    assert "pipeline" not in json.loads((tmp_path / "mem" / "conversion.json").read_text())
+    assert torch.equal(_logits(tmp_path / "auto", ids), _logits(tmp_path / "mem", ids))
+
+
+def test_cli_resume_continues_an_interrupted_run(deep_source, tmp_path, monkeypatch):
+    args = [
+        deep_source,
+        tmp_path / "out",
+        "--kv-lora-rank",
+        20,
+        "--rope-dim",
+        8,
+        "--calib",
+        "random",
+        "--calib-samples",
+        8,
+        "--calib-seq-len",
+        16,
+        "--dtype",
+        "float32",
+    ]
+    real = streaming._Runner._commit
+
+    def failing_commit(self, writer):
+        real(self, writer)
+        if len(self.state["layers"]) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
+    code, _ = run_cli(*args)
+    assert code != 0 and work_dir_for(tmp_path / "out").is_dir()
+    monkeypatch.undo()
+    code, text = run_cli(*args)
+    assert code == 1 and "pass --resume to continue it" in text, text
+    code, text = run_cli(*args, "--resume")
+    assert code == 0, text
+    report = json.loads((tmp_path / "out" / "conversion.json").read_text())
+    assert report["pipeline"]["resumed_from_layer"] == 2 and len(report["layers"]) == 5
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-memory", "1KB"], "--max-memory 0.00 GiB is below the estimated"),
+        (["--max-memory", "lots"], "is not a memory size; write e.g. 4GB"),
+        (["--max-memory", "0"], "must be a positive size"),
+        (["--device", "tpu"], "--device 'tpu' is not one of cpu, cuda, cuda:N, auto"),
+        (["--pipeline", "fast"], "'fast' is not one of 'auto', 'streaming', 'in-memory'"),
+        (["--pipeline", "in-memory", "--resume"], "--resume needs the streaming pipeline"),
+        (["--pipeline", "in-memory", "--max-memory", "8GB"], "--max-memory needs the streaming pipeline"),
+    ],
+)
+def test_cli_errors_name_the_fix(tiny_sources, tmp_path, args, message):
+    code, text = run_cli(
+        tiny_sources["llama_gqa"], tmp_path / "out", "--kv-lora-rank", 24, "--calib", "random", *args
+    )
+    assert code != 0 and message in text, text
+    assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
+
+
+def test_pickle_checkpoints_load_in_memory(tmp_path):
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    model.config.architectures = ["LlamaForCausalLM"]
+    (tmp_path / "src").mkdir()
+    model.config.to_json_file(str(tmp_path / "src" / "config.json"))
+    torch.save(model.state_dict(), str(tmp_path / "src" / "pytorch_model.bin"))
+    assert choose_pipeline(str(tmp_path / "src")) == "in-memory"
+    with pytest.raises(ConversionError, match="use --pipeline in-memory"):
+        convert_streaming(str(tmp_path / "src"), tmp_path / "out", ConvertOptions(quiet=True))
+    code, text = run_cli(tmp_path / "src", tmp_path / "out", "--dtype", "float32")
+    assert code == 0, text
