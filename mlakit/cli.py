@@ -9,6 +9,7 @@ from .commands.common import setup_logging
 from .commands.convert_cmd import convert_command
 from .commands.eval_cmd import eval_command
 from .commands.export_cmd import export_command
+from .commands.heal_cmd import heal_command
 from .commands.inspect_cmd import inspect_command
 
 __all__ = ["cli", "main"]
@@ -20,7 +21,7 @@ def cli():
     """Convert GQA/MHA checkpoints into Multi-head Latent Attention (MLA) models."""
 
 
-for command in (convert_command, eval_command, bench_command, inspect_command, export_command):
+for command in (convert_command, eval_command, bench_command, inspect_command, heal_command, export_command):
     cli.add_command(command)
 
 
