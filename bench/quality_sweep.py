@@ -5,8 +5,11 @@
 Calibrates once (builtin calibration text, 128 x 256 tokens by default), then for every budget
 and method row builds the converted model in memory and scores it on the builtin evaluation
 text (disjoint from the calibration text) with the same token ids as the source. Every row
-uses the default rope dims at that budget (``budget_rope_dim``), so rows differ only in method. Writes
-sweep.json, sweep.md and ppl_vs_budget.png to --out.
+uses the default rope dims at that budget (``budget_rope_dim``; the stock-form row the nearest
+rope dims it can express), so rows differ only in method. Each row's ratio comes with a 95%
+interval from a bootstrap over the evaluation windows, and every row is compared with the
+default row on the same windows (paired). Writes sweep.json, sweep.md and ppl_vs_budget.png
+to --out.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM
 
-# name -> (rope method, low-rank method, allocation)
-ROWS = {
-    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform"),
-    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform"),
-    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform"),
-    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform"),
-    "mlakit default: scored RoPE + RRR, uniform": ("scored", "rrr", "uniform"),
-    "scored RoPE + RRR, planned ranks (--allocation planned)": ("scored", "rrr", "planned"),
+ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope)
+    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform", False),
+    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform", False),
+    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform", False),
+    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform", False),
+    "mlakit default: scored RoPE + RRR, uniform": ("scored", "rrr", "uniform", False),
+    "scored RoPE + RRR, planned ranks (--allocation planned)": ("scored", "rrr", "planned", False),
+    "scored RoPE + RRR, stock-form rope for the deepseek-v3 export (--stock-rope)": ("scored", "rrr", "uniform", True),
 }
 DEFAULT_ROW = "mlakit default: scored RoPE + RRR, uniform"
 
@@ -109,10 +112,11 @@ def main():
     run_order = sorted(names, key=lambda n: n != DEFAULT_ROW)
     for frac in [float(b) for b in args.budgets.split(",")]:
         per_layer = round(frac * per_layer_src)
-        d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer)
         for name in run_order:
-            rope, low, allocation = ROWS[name]
-            o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low)
+            rope, low, allocation, stock = ROWS[name]
+            d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer, stock)
+            o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low,
+                               stock_rope=stock)
             t = time.time()
             layers, _ = build_layers(ws, ms, shape, o)
             sums = window_sums(build_model(source, shape, layers))

@@ -26,7 +26,7 @@ from mlakit.export.deepseek_v3 import (
     stock_rope_stride,
     uniform,
 )
-from tests.tiny_models import assert_close, build_tiny
+from tests.tiny_models import BLOCK_MLAKIT, assert_close, build_tiny
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
 GREEDY = 32
@@ -78,13 +78,8 @@ CASES = {
 }
 
 # Runs in a fresh interpreter that cannot import mlakit: stock transformers only, no remote code.
-STOCK_SCRIPT = textwrap.dedent("""
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "mlakit" or name.startswith("mlakit."):
-                raise ImportError("mlakit is blocked in this test")
-    sys.meta_path.insert(0, Block())
+STOCK_SCRIPT = BLOCK_MLAKIT + textwrap.dedent("""
+    import json, sys
     import torch
     from transformers import AutoModelForCausalLM
     jobs = json.loads(sys.argv[1])

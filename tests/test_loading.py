@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 import mlakit  # noqa: F401  (registers the Auto classes)
 from mlakit import MLAForCausalLM
 from mlakit.convert.pipeline import ConvertOptions, convert
-from tests.tiny_models import assert_close
+from tests.tiny_models import BLOCK_MLAKIT, assert_close
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +60,8 @@ def test_remote_code_loads_without_mlakit(scaled_out, tmp_path):
     with torch.no_grad():
         want = MLAForCausalLM.from_pretrained(str(scaled_out)).eval()(ids).logits
     torch.save({"ids": ids, "logits": want}, tmp_path / "expected.pt")
-    script = textwrap.dedent(f"""
-        import sys, importlib.abc
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name == "mlakit" or name.startswith("mlakit."):
-                    raise ImportError("mlakit is blocked in this test")
-        sys.meta_path.insert(0, Block())
+    script = BLOCK_MLAKIT + textwrap.dedent(f"""
+        import json, sys
         import torch
         from transformers import AutoModelForCausalLM
         exp = torch.load({str(tmp_path / "expected.pt")!r})

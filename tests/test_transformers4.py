@@ -18,17 +18,13 @@ import torch
 
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.mla_model import load_converted
+from tests.tiny_models import BLOCK_MLAKIT
 
 ROOT = Path(__file__).resolve().parent.parent
 TF4_PYTHON = os.environ.get("MLAKIT_TF4_PYTHON") or str(ROOT / ".venv-tf4" / "bin" / "python")
 
-_CHECK = textwrap.dedent("""
-    import importlib.abc, json, sys
-    class Block(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name == "mlakit" or name.startswith("mlakit."):
-                raise ImportError("mlakit is blocked in this test")
-    sys.meta_path.insert(0, Block())
+_CHECK = BLOCK_MLAKIT + textwrap.dedent("""
+    import json, sys
     import torch, transformers
     from transformers import AutoModelForCausalLM
     assert transformers.__version__.startswith("4."), transformers.__version__

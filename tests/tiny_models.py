@@ -14,7 +14,17 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-__all__ = ["FAMILY_BUILDERS", "assert_close", "build_tiny", "save_tiny_source"]
+__all__ = ["BLOCK_MLAKIT", "FAMILY_BUILDERS", "assert_close", "build_tiny", "save_tiny_source"]
+
+# First lines of a subprocess script that must work without mlakit: importing it raises.
+BLOCK_MLAKIT = """\
+import importlib.abc, sys
+class _BlockMlakit(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlakit" or name.startswith("mlakit."):
+            raise ImportError("mlakit is blocked in this test")
+sys.meta_path.insert(0, _BlockMlakit())
+"""
 
 _COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
