@@ -31,7 +31,7 @@ _OVERRIDES = {
 @click.option("--kv-lora-rank", type=rank_option_type, help="Latent rank r of every layer, or 'full' (lossless).")
 @click.option("--rope-dim", type=rank_option_type, help="Shared rotary key dims d_R (even), or 'full'.")
 @click.option("--kv-budget", type=float,
-              help="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75%% reduction), "
+              help="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75% reduction), "
                    "allocated across layers; replaces --kv-lora-rank/--rope-dim.")
 @click.option("--allocation", type=click.Choice(["uniform", "planned"]),
               help="With --kv-budget: the same rank in every layer, or ranks planned from per-layer error "

@@ -105,7 +105,7 @@ __all__ = ["heal_command"]
     "--warmup",
     type=click.IntRange(min=0),
     default=None,
-    help="Linear warmup steps before the cosine decay  [default: 5%% of the steps].",
+    help="Linear warmup steps before the cosine decay  [default: 5% of the steps].",
 )
 @click.option(
     "--max-grad-norm",

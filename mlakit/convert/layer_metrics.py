@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_metric import BlockMetric
 from .calibration import LayerStats
 from .mla_layer import AttentionWeights
 
-__all__ = ["LayerMetrics", "layer_metrics", "psd_power"]
+__all__ = ["LayerMetrics", "layer_metrics", "psd_factor", "psd_power", "psd_powers"]
 
 
 @dataclass
@@ -35,8 +36,11 @@ class LayerMetrics:
 
     @property
     def sigma_half(self) -> torch.Tensor:
+        """A square-root factor R of sigma, R R^T = sigma + 1e-12 ||sigma||_F I (``psd_factor``): every
+        use (the low-rank step, the rank planner) depends on R R^T alone, so the Cholesky factor
+        serves, at about a tenth of the cost of the symmetric square root at D + 1 = 4097."""
         if self._sigma_half is None:
-            self._sigma_half = psd_power(self.sigma, 0.5)
+            self._sigma_half = psd_factor(self.sigma)
         return self._sigma_half
 
     def reach(self, freq: torch.Tensor) -> torch.Tensor:
@@ -45,16 +49,40 @@ class LayerMetrics:
         return self.lag_p2 @ (1 - torch.cos(lags[:, None] * freq.double()[None]))
 
 
-def psd_power(m: torch.Tensor, power: float, rel_eps: float = 1e-12) -> torch.Tensor:
+def psd_power(m, power: float, rel_eps: float = 1e-12):
     """Symmetric PSD matrix to a real power, eigenvalues floored at rel_eps * max."""
+    return psd_powers(m, (power,), rel_eps)[0]
+
+
+def psd_powers(m, powers: tuple[float, ...], rel_eps: float = 1e-12) -> list:
+    """``psd_power`` for several powers from one eigendecomposition (the costly part at hidden 4096).
+    A BlockMetric is taken block by block (same floor, same result) and stays one."""
+    if isinstance(m, BlockMetric):
+        return m.powers(powers, rel_eps)
     vals, vecs = torch.linalg.eigh(m.double())
     floor = vals.max().clamp_min(1e-300) * rel_eps
-    return (vecs * vals.clamp_min(floor).pow(power)) @ vecs.T
+    vals = vals.clamp_min(floor)
+    return [(vecs * vals.pow(p)) @ vecs.T for p in powers]
 
 
-def _complex_energy(rows_moment: torch.Tensor, n: int, d: int) -> torch.Tensor:
-    diag = torch.diagonal(rows_moment).view(n, 2, d // 2)
-    return diag.sum(1)
+def psd_factor(m: torch.Tensor, rel_eps: float = 1e-12) -> torch.Tensor:
+    """A factor L of a symmetric PSD matrix, L L^T = m + eps I with eps = rel_eps * ||m||_F (at least
+    the ``psd_power`` floor, rel_eps * max eigenvalue): the Cholesky factor. Where rounding leaves m + eps I not numerically
+    positive definite, the floored symmetric square root ``psd_power(m, 0.5)`` instead."""
+    m = m.double()
+    eps = rel_eps * float(torch.linalg.matrix_norm(m))
+    shifted = m.clone()
+    shifted.diagonal().add_(max(eps, 1e-300))
+    factor, info = torch.linalg.cholesky_ex(shifted)
+    del shifted
+    if int(info) == 0:
+        return factor
+    return psd_power(m, 0.5, rel_eps)
+
+
+def _complex_energy(row_energy: torch.Tensor, n: int, d: int) -> torch.Tensor:
+    """(n, d/2) |.|^2 of each complex component from the energies of its rows (re, im halves)."""
+    return row_energy.view(n, 2, d // 2).sum(1)
 
 
 def layer_metrics(w: AttentionWeights, stats: LayerStats) -> LayerMetrics:
@@ -65,7 +93,7 @@ def layer_metrics(w: AttentionWeights, stats: LayerStats) -> LayerMetrics:
     qm = q.view(H, d, -1)
     query_moment = torch.einsum("hax,xy,hby->hab", qm, sigma, qm)  # (H, d, d)
     query_energy = torch.diagonal(query_moment, dim1=1, dim2=2).reshape(H, 2, d // 2).sum(1)
-    key_energy = _complex_energy(k @ sigma @ k.T, G, d)
+    key_energy = _complex_energy(((k @ sigma) * k).sum(1), G, d)  # diag(k sigma k^T) only
     vm = v.view(G, d, -1)
     mean_v = vm @ sigma[:, -1]  # (G, d): E v, since the last column of sigma is E[x~]
     cov_v = torch.einsum("gax,xy,gby->gab", vm, sigma, vm) - mean_v[:, :, None] * mean_v[:, None, :]

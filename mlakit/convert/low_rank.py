@@ -11,18 +11,31 @@ Each returns ``(down, up)`` with c_kv = down @ x~ (r rows) and y ~= up @ c_kv.
                the output, values by W_O (layer_metrics). Closed form: the SVD of
                M^1/2 W_y Sigma^1/2 (Eckart-Young in the metric).
 BKV-PCA is the same closed form with M = diag(s^2 for keys, 1 for values).
+
+Cost at Llama-2-7B shape (W_y 8128 x 4097): M is kept block by block (``BlockMetric``), Sigma^1/2
+is any factor R with R R^T = Sigma (Cholesky), and for tall W_y the factors come from the
+eigendecomposition of the 4097^2 Gram matrix R^T W_y^T M W_y R (``metric_factor``): one
+eigendecomposition per layer instead of two (4097^2 and 8128^2) plus an 8128 x 4097 SVD.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .layer_metrics import LayerMetrics, psd_power
+from .block_metric import BlockMetric, as_block_metric
+from .layer_metrics import LayerMetrics
 from .mla_layer import nope_key_coefficients
 from .rope_split import RopePlan
 
 __all__ = [
-    "LOWRANK_METHODS", "bkv_metric", "full_rank", "metric_factor", "metric_spectrum", "output_metric", "weight_svd",
+    "LOWRANK_METHODS",
+    "bkv_metric",
+    "full_rank",
+    "metric_energy",
+    "metric_factor",
+    "metric_spectrum",
+    "output_metric",
+    "weight_svd",
 ]
 
 LOWRANK_METHODS = ("rrr", "bkv_pca", "svd")
@@ -45,19 +58,84 @@ def weight_svd(w_y: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return s[:rank, None] * vh[:rank], u[:, :rank]
 
 
+def _top_eigh(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K largest eigenvalues (descending) and their eigenvectors of a symmetric matrix."""
+    vals, vecs = torch.linalg.eigh(gram)
+    return vals.flip(0)[:k], vecs.flip(1)[:, :k]
+
+
+def _input_side(w: torch.Tensor, sigma_half: torch.Tensor, metric: BlockMetric, k: int):
+    """Right singular vectors V (X, k) and squared singular values of A = M^1/2 W R (R = sigma_half)
+    from the (X, X) Gram matrix A^T A = R^T W^T M W R, which needs no power of M: the cheap side
+    when W has more rows than columns (MHA)."""
+    wr = w @ sigma_half  # (Y, X)
+    gram = metric.gram(wr)  # (X, X)
+    del wr
+    s2, v = _top_eigh(gram, k)
+    return s2.clamp_min(0), v
+
+
+def _alive(s2: torch.Tensor, n: int) -> torch.Tensor:
+    """1/s where s^2 is above the rounding floor of an (n, n) Gram matrix, else 0: a direction with no
+    energy gets a zero latent dimension (it adds nothing to the objective either way)."""
+    tol = s2.max().clamp_min(1e-300) * n * torch.finfo(torch.float64).eps
+    return torch.where(s2 > tol, s2.clamp_min(1e-300).rsqrt(), torch.zeros_like(s2))
+
+
 def metric_spectrum(w_y, sigma_half, metric_half):
-    """Left singular vectors and squared singular values of M^1/2 W_y Sigma^1/2."""
-    u, s, _ = torch.linalg.svd(metric_half @ w_y.double() @ sigma_half, full_matrices=False)
-    return u, s.square()
+    """Left singular vectors and squared singular values of A = M^1/2 W_y Sigma^1/2 (descending),
+    from the eigendecomposition of the smaller Gram matrix of A. SIGMA_HALF may be any factor R with
+    R R^T = Sigma; METRIC_HALF a dense matrix or a BlockMetric. Singular vectors whose singular value
+    is at the Gram matrix's rounding floor come back as zero columns."""
+    a = as_block_metric(metric_half) @ (w_y.double() @ sigma_half.double())  # (Y, X)
+    rows, cols = a.shape
+    if rows <= cols:
+        s2, u = _top_eigh(a @ a.T, rows)
+        return u, s2.clamp_min(0)
+    s2, v = _top_eigh(a.T @ a, cols)
+    s2 = s2.clamp_min(0)
+    return (a @ v) * _alive(s2, cols), s2
 
 
-def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric: torch.Tensor, rank: int):
-    """argmin over rank-r (up, down) of E||M^1/2 (W_y - up down) x~||^2, sigma_half = E[x~ x~^T]^1/2."""
+def metric_energy(w_y: torch.Tensor, sigma_half: torch.Tensor, metric) -> torch.Tensor:
+    """The squared singular values of ``metric_spectrum`` from M itself (no power of M when W_y is
+    tall) and without singular vectors: all the rank planner's error curve needs."""
+    metric, w = as_block_metric(metric), w_y.double()
+    wr = w @ sigma_half.double()  # (Y, X)
+    if w.shape[0] > w.shape[1]:
+        gram = metric.gram(wr)  # (X, X) R^T W^T M W R
+    else:
+        a = metric.powers((0.5,))[0] @ wr
+        gram = a @ a.T  # (Y, Y) M^1/2 W Sigma W^T M^1/2
+    return torch.linalg.eigvalsh(gram).flip(0).clamp_min(0)
+
+
+def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int):
+    """argmin over rank-r (up, down) of E||M^1/2 (W_y - up down) x~||^2 with E[x~ x~^T] = R R^T,
+    R = SIGMA_HALF (any such factor). METRIC: a dense PSD matrix or a BlockMetric.
+
+    Closed form: with A = M^1/2 W_y R = U S V^T, up = M^-1/2 U_r and down = U_r^T M^1/2 W_y.
+    When W_y has more rows than columns (MHA: 2Gd - d_R > D + 1) the same factors follow from
+    the right singular vectors alone, U_r = A V_r S_r^-1, so
+        up = W_y R V_r S_r^-1,   down = S_r^-1 (M W_y R V_r)^T W_y,
+    with V_r, S_r^2 from the (D+1)^2 Gram matrix R^T W_y^T M W_y R: no power of M, no SVD of the
+    tall A. Otherwise (GQA) the (Y, Y) Gram matrix is the small one and M^+-1/2 is taken block
+    by block."""
     _check_rank(rank, w_y.shape[0])
-    m_half, m_ihalf = psd_power(metric, 0.5), psd_power(metric, -0.5)
-    u, _ = metric_spectrum(w_y, sigma_half, m_half)
-    u = u[:, :rank]
-    return u.T @ m_half @ w_y.double(), m_ihalf @ u
+    metric, w, r_fac = as_block_metric(metric), w_y.double(), sigma_half.double()
+    rows, cols = w.shape
+    k = min(rank, rows, cols)
+    if rows > cols:
+        s2, v = _input_side(w, r_fac, metric, k)
+        wz = w @ (r_fac @ v)  # (Y, k) = W R V_r = M^-1/2 U_r S_r
+        inv_s = _alive(s2, cols)
+        up = wz * inv_s
+        down = (metric @ up).T @ w  # S^-1 (M W R V_r)^T W
+        return down, up
+    m_half, m_ihalf = metric.powers((0.5, -0.5))
+    a = m_half @ (w @ r_fac)
+    _, u = _top_eigh(a @ a.T, k)
+    return (m_half @ u).T @ w, m_ihalf @ u
 
 
 def output_metric(plan: RopePlan, m: LayerMetrics, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -71,8 +149,8 @@ def output_metric(plan: RopePlan, m: LayerMetrics, num_heads: int, num_kv_heads:
     P = torch.zeros(G, d, 2 * n, dtype=torch.float64)
     P[:, : d // 2, :n] = C
     P[:, d // 2 :, n:] = C
-    m_k = torch.einsum("gax,gab,gby->xy", P, q_g, P)
-    return torch.block_diag(m_k, torch.block_diag(*m.value_metric))
+    m_k = torch.einsum("gax,gab,gby->xy", P, q_g, P)  # (2n, 2n): dense, keys of all heads mix
+    return BlockMetric([m_k, m.value_metric])  # values: one (d, d) block per KV head
 
 
 def bkv_metric(w_y: torch.Tensor, sigma: torch.Tensor, n_key_rows: int) -> torch.Tensor:
@@ -82,4 +160,4 @@ def bkv_metric(w_y: torch.Tensor, sigma: torch.Tensor, n_key_rows: int) -> torch
     s2 = (v_energy / k_energy.clamp_min(1e-300)) if n_key_rows else torch.tensor(1.0, dtype=torch.float64)
     diag = torch.ones(w_y.shape[0], dtype=torch.float64)
     diag[:n_key_rows] = s2
-    return torch.diag(diag)
+    return BlockMetric([diag])

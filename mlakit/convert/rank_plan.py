@@ -23,8 +23,8 @@ import math
 import torch
 
 from .compress import Method, compress_layer, layer_plan
-from .layer_metrics import LayerMetrics, psd_power
-from .low_rank import metric_spectrum, output_metric
+from .layer_metrics import LayerMetrics
+from .low_rank import metric_energy, output_metric
 from .mla_layer import AttentionWeights, MLAWeights, nope_value_map
 from .rope_select import rope_error
 
@@ -52,7 +52,7 @@ def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_d
     """log predicted error at r = 0 .. 2Gd - d_R for this layer with RoPE dims ROPE_DIM."""
     plan = layer_plan(w, m, method, rope_dim)
     metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
-    _, s2 = metric_spectrum(nope_value_map(w, plan), m.sigma_half, psd_power(metric, 0.5))
+    s2 = metric_energy(nope_value_map(w, plan), m.sigma_half, metric)
     n_rows = 2 * w.num_kv_heads * w.head_dim - rope_dim
     spectrum = torch.zeros(n_rows, dtype=torch.float64)
     spectrum[: s2.shape[0]] = s2

@@ -6,9 +6,9 @@ of the process's resident memory when the conversion starts:
 - per calibration batch: hidden states in and out, the MLP intermediates, q/k/v, the attention
   probabilities (materialised by the CPU attention and again by the lag-profile statistics) and
   the float64 bias-augmented input of the moment accumulator;
-- the float64 conversion math: E[x~ x~^T] and its square root with eigh workspace, the
-  bias-augmented q/k/v maps, the joint key/value map W_y and its SVD factors, and the
-  output metric with its square roots;
+- the float64 conversion math: E[x~ x~^T] and its Cholesky factor, the (D+1)^2 Gram matrix of
+  the low-rank step with its eigendecomposition, the bias-augmented q/k/v maps, the joint
+  key/value map W_y and its products, and the output metric's blocks (``low_rank``);
 - the converted layer's output tensors.
 It is an estimate for choosing a batch size and refusing hopeless settings early; the bench
 (bench/scale_bench.py) reports it beside the measured peak.
@@ -55,7 +55,10 @@ def estimate_step_bytes(config, shape: dict, seq_len: int, batch: int, device: s
         "forward_activations": _F32
         * (4 * tokens * D + 3 * tokens * inter + tokens * (H + 2 * G) * d + 3 * batch * H * seq_len * seq_len)
         + 2 * _F64 * tokens * X,
-        "conversion_math": _F64 * (4 * X * X + (H * d + 2 * G * d) * X + 3 * rows * X + 3 * rows * rows),
+        # sigma, its Cholesky factor, the (X, X) Gram matrix, its eigenvectors and eigh workspace; the
+        # float64 q/k/v maps; W_y, W_y R and one metric block's product; the metric's blocks
+        "conversion_math": _F64
+        * (6 * X * X + (H * d + 2 * G * d) * X + 3 * rows * X + (G * d) ** 2 + G * d * d),
     }
     if device != "cpu":  # forward passes and the float64 math run on the accelerator
         parts["forward_module"] = parts["forward_activations"] = parts["conversion_math"] = 0

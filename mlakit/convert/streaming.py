@@ -287,6 +287,7 @@ class _Runner:
         with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
             metrics = layer_metrics(w, stats) if stats is not None else None
             mla = compress_layer(w, metrics, c.method, c.rope_dim, rank)
+        del w, stats, metrics  # the float64 statistics are done with before the layer is written
         out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape["qkv_bias"], kv_a_bias=c.shape["qkv_bias"])
         out.update({m: tensors[m].to(c.dtype) for m in names if m not in out})
         for name in names:
