@@ -93,7 +93,7 @@ def rotary_spectrum(w: AttentionWeights, m: LayerMetrics) -> RotarySpectrum:
     cov = key_group_covariance(w, m.sigma, fold=1)  # (d/2, G, G)
     U = pca_mixing(cov)  # rows: mixed components by decreasing energy
     mixed = torch.einsum("nca,nab,ncb->nc", U, cov, U).clamp_min(0)  # (d/2, G)
-    drop, _ = component_costs(U, 1, w, m)
+    drop, _ = component_costs(U, 1, w, m, cov)
     return RotarySpectrum(key_energy=m.key_energy.double(), mixed_energy=mixed, drop_cost=drop.clamp_min(0))
 
 

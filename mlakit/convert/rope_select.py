@@ -79,12 +79,14 @@ def _plan_from_costs(U, gain, rep, n_keep, fold):
     return RopePlan(U, kept, freqs, fold)
 
 
-def component_costs(U: torch.Tensor, fold: int, w: AttentionWeights, m: LayerMetrics):
+def component_costs(U: torch.Tensor, fold: int, w: AttentionWeights, m: LayerMetrics,
+                    cov: torch.Tensor | None = None):
     """Predicted output error of each mixed component (groups, comps): ``drop`` if it loses its
     rotation, ``keep[..., jl]`` if it rotates at the group's frequency jl instead of its own."""
     G, H = w.num_kv_heads, w.num_heads
     group = torch.arange(H) // (H // G)
-    cov = key_group_covariance(w, m.sigma, fold)
+    if cov is None:  # callers that already have key_group_covariance(w, m.sigma, fold) pass it
+        cov = key_group_covariance(w, m.sigma, fold)
     energy = torch.einsum("nca,nab,ncb->nc", U, cov, U)  # E|m_c|^2
     u2 = U.square()  # (groups, comps, G*fold)
     drop = energy * torch.einsum("nca,na->nc", u2, _group_weights(m, m.inv_freq, G, fold, group))
@@ -108,7 +110,7 @@ def _scored(w, m, n_keep, fold, mixing, stock=False):
     G = w.num_kv_heads
     cov = key_group_covariance(w, m.sigma, fold)
     U = pca_mixing(cov) if mixing == "pca" else identity_mixing(G, w.head_dim, fold)
-    drop, keep = component_costs(U, fold, w, m)
+    drop, keep = component_costs(U, fold, w, m, cov)
     if stock:
         return _stock_plan(U, drop - keep[..., 0], fold)
     best, rep = keep.min(dim=-1)
