@@ -26,22 +26,24 @@ from mlakit.convert.assemble import mla_config, read_attention
 from mlakit.convert.families import attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.pipeline import ConvertOptions, assemble_state, build_layers, calibrate
-from mlakit.convert.rank_plan import budget_rope_dim
+from mlakit.convert.rank_plan import FISHER_STEP, budget_rope_dim
 from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM
 
-ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope)
-    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform", False),
-    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform", False),
-    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform", False),
-    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform", False),
-    "mlakit default: scored RoPE + RRR, uniform": ("scored", "rrr", "uniform", False),
-    "scored RoPE + RRR, planned ranks (--allocation planned)": ("scored", "rrr", "planned", False),
-    "scored RoPE + RRR, stock-form rope for the deepseek-v3 export (--stock-rope)": ("scored", "rrr", "uniform", True),
+ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope, fisher step)
+    "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform", False, None),
+    "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform", False, None),
+    "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform", False, None),
+    "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform", False, None),
+    "mlakit default: scored RoPE + RRR, fisher ranks (half step)": ("scored", "rrr", "fisher", False, FISHER_STEP),
+    "scored RoPE + RRR, uniform ranks (--allocation uniform)": ("scored", "rrr", "uniform", False, None),
+    "scored RoPE + RRR, log-error ranks (--allocation planned)": ("scored", "rrr", "planned", False, None),
+    "scored RoPE + RRR, fisher ranks, full step (ablation)": ("scored", "rrr", "fisher", False, 1.0),
+    "scored RoPE + RRR, stock-form rope for the deepseek-v3 export (--stock-rope)": ("scored", "rrr", "uniform", True, None),
 }
-DEFAULT_ROW = "mlakit default: scored RoPE + RRR, uniform"
+DEFAULT_ROW = "mlakit default: scored RoPE + RRR, fisher ranks (half step)"
 
 
 def build_model(source, shape, layers):
@@ -61,6 +63,8 @@ def main():
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--eval-tokens", type=int, default=16384)
+    ap.add_argument("--eval-data", default="builtin",
+                    help="evaluation text: builtin (disjoint from the calibration text) or a local text file")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--out", default="runs/quality_sweep")
@@ -75,7 +79,7 @@ def main():
     source = open_source(args.source)
     shape = attention_shape(source.config)
     tokenizer = source.tokenizer()
-    ids = tokenize_text(tokenizer, load_text("builtin", "eval"))[: args.eval_tokens]
+    ids = tokenize_text(tokenizer, load_text(args.eval_data, "eval"))[: args.eval_tokens]
 
     windows = sliding_windows(int(ids.numel()), args.seq_len, args.stride)
     scored = torch.tensor([w.n_scored for w in windows], dtype=torch.float64)
@@ -98,7 +102,7 @@ def main():
     base = math.exp(float(src_sums.sum() / scored.sum()))
     print(f"source perplexity {base:.4f} on {ids.numel()} tokens", flush=True)
     opts = ConvertOptions(calib="builtin", calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
-                          quiet=True)
+                          kv_budget=1.0, allocation="fisher", quiet=True)  # also measures the sensitivities
     ws = [read_attention(source, i, shape) for i in range(source.config.num_hidden_layers)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
     print(f"calibrated in {time.time() - t0:.0f} s", flush=True)
@@ -113,12 +117,12 @@ def main():
     for frac in [float(b) for b in args.budgets.split(",")]:
         per_layer = round(frac * per_layer_src)
         for name in run_order:
-            rope, low, allocation, stock = ROWS[name]
+            rope, low, allocation, stock, step = ROWS[name]
             d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer, stock)
             o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low,
                                stock_rope=stock)
             t = time.time()
-            layers, _ = build_layers(ws, ms, shape, o)
+            layers, _ = build_layers(ws, ms, shape, o, fisher_step=step or FISHER_STEP)
             sums = window_sums(build_model(source, shape, layers))
             p = math.exp(float(sums.sum() / scored.sum()))
             row = {"budget": frac, "values_per_token_per_layer": per_layer, "kv_reduction": round(1 - frac, 4),
@@ -134,7 +138,7 @@ def main():
             print(f"{frac:<7} {name:48s} ppl {p:9.3f}  ratio {p / base:7.3f}  CI {row['ratio_ci95']}  "
                   f"vs default {row.get('vs_default')} CI {row.get('vs_default_ci95')}", flush=True)
 
-    meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": "builtin",
+    meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": args.eval_data,
             "seq_len": args.seq_len, "stride": args.stride, "calib_samples": args.calib_samples,
             "calib_seq_len": args.calib_seq_len, "seconds": round(time.time() - t0)}
     (out / "sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -155,7 +159,8 @@ def main():
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     (out / "sweep.md").write_text(f"Perplexity ratio (converted / source, source ppl {base:.3f}); "
-                                  f"{ids.numel()} builtin eval tokens, window {args.seq_len}, stride {args.stride}. "
+                                  f"{ids.numel()} eval tokens of {args.eval_data}, window {args.seq_len}, "
+                                  f"stride {args.stride}. "
                                   f"In parentheses: perplexity relative to the default row on the same windows, "
                                   f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
                                   f"{len(windows)} windows.\n\n"

@@ -7,6 +7,7 @@ import json
 import click
 
 from ..convert.pipeline import DTYPES
+from ..convert.rank_plan import ALLOCATIONS
 from ..convert.rope_select import STOCK_ROPE_METHODS
 from ..convert.streaming import StreamOptions, resolve_device, run_conversion
 from ..recipes import Recipe, RecipeError
@@ -33,9 +34,10 @@ _OVERRIDES = {
 @click.option("--kv-budget", type=float,
               help="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75% reduction), "
                    "allocated across layers; replaces --kv-lora-rank/--rope-dim.")
-@click.option("--allocation", type=click.Choice(["uniform", "planned"]),
-              help="With --kv-budget: the same rank in every layer, or ranks planned from per-layer error "
-                   "curves [default: uniform].")
+@click.option("--allocation", type=click.Choice(list(ALLOCATIONS)),
+              help="With --kv-budget: the same rank in every layer (uniform), ranks that minimise the summed log "
+                   "errors (planned), or ranks that minimise the KL from the source predicted by each layer's "
+                   "measured loss sensitivity (fisher; in-memory pipeline) [default: uniform].")
 @click.option("--rope-method", type=click.Choice(["scored", "transmla", "high", "uniform", "norm"]),
               help="How the rotary subspace is chosen [default: scored].")
 @click.option("--lowrank-method", type=click.Choice(["rrr", "bkv_pca", "svd"]),

@@ -15,7 +15,7 @@ from ..convert.families import attention_shape
 from ..convert.inspect_model import latent_energy_kept, layer_spectra, spectra_summary
 from ..convert.layer_metrics import layer_metrics
 from ..convert.pipeline import ConversionError, ConvertOptions, build_layers, calibrate, method_of
-from ..convert.rank_plan import budget_rope_dim
+from ..convert.rank_plan import ALLOCATIONS, budget_rope_dim
 from ..convert.source import open_source
 from ..convert.writer import atomic_output, write_json
 from .common import user_errors, verbosity_options
@@ -56,6 +56,7 @@ def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
     ]
     return {
         "kv_budget": opts.kv_budget,
+        "allocation": plan["allocation"],
         "budget_values_per_token": plan["budget_values_per_token"],
         "values_per_token": sum(r["values_per_token"] for r in rows),
         "source_values_per_token": len(rows) * 2 * shape["num_kv_heads"] * shape["head_dim"],
@@ -134,7 +135,7 @@ def format_table(report: dict) -> str:
         lines.append(row)
     if plan:
         lines.append(
-            f"plan for --kv-budget {plan['kv_budget']:g}: {plan['values_per_token']} of {plan['source_values_per_token']} "
+            f"plan for --kv-budget {plan['kv_budget']:g} (allocation {plan['allocation']}): {plan['values_per_token']} of {plan['source_values_per_token']} "
             f"cached values per token ({plan['values_per_token'] / plan['source_values_per_token']:.1%}, budget "
             f"{plan['budget_values_per_token']}), shared rope dims d_R {plan['rope_dim']}; y kept = share of the "
             f"latent target's energy (dropped rotary keys + values) in its top r directions"
@@ -246,6 +247,14 @@ def _budget(ctx, param, value):
     "of the source's cached values per token (e.g. 0.3125).",
 )
 @click.option(
+    "--allocation",
+    type=click.Choice(list(ALLOCATIONS)),
+    default="auto",
+    show_default=True,
+    help="How the plan spreads --kv-budget over layers, as for `convert` (auto: fisher, as the in-memory "
+    "pipeline does).",
+)
+@click.option(
     "--calib",
     default="builtin",
     show_default=True,
@@ -275,11 +284,12 @@ def _budget(ctx, param, value):
 @click.option("--device", default="cpu", show_default=True, help="Device for the calibration pass.")
 @verbosity_options
 @user_errors
-def inspect_command(src, kv_budget, calib, calib_samples, calib_seq_len, out, device, quiet):
+def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_len, out, device, quiet):
     """Per-layer K/V/rotary spectra of SRC (model directory, .gguf file, hub id, or 'default')."""
     out_path = _check_out(out) if out else None
     opts = ConvertOptions(
         kv_budget=kv_budget,
+        allocation=allocation,
         calib=calib,
         calib_samples=calib_samples,
         calib_seq_len=calib_seq_len,

@@ -6,7 +6,12 @@ For every layer we keep
 - ``lag_p2`` (H, L) E[p_{t, t-lag}^2] summed over keys at each lag: where each head looks and how
   sharply. Its sum is E[sum_s p_s^2]; weighted by 1 - cos(theta lag) it says how much a head
   loses when a frequency theta stops rotating (or rotates at a slightly wrong frequency);
-- ``inv_freq`` (d/2,) the source's rotary frequencies (after any rope scaling).
+- ``inv_freq`` (d/2,) the source's rotary frequencies (after any rope scaling);
+- ``sensitivity`` (optional) how much the model's output distribution reacts to an error in
+  this layer's attention output: E_t ||d loss_t / d a_t||^2 / D over the first
+  ``sensitivity_samples`` sequences, with the labels sampled from the model's own prediction
+  (a Monte-Carlo estimate of the Fisher information, so that an output error e of squared norm
+  E||e||^2 costs about sensitivity * E||e||^2 / 2 nats of KL divergence per token, to second order).
 No activation is stored: memory is bounded by the statistics, not by the calibration set.
 """
 
@@ -18,12 +23,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LayerStats", "collect_stats", "layer_accumulator"]
+__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
+           "layer_accumulator"]
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 8  # calibration sequences per forward pass
 ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
+SENSITIVITY_SAMPLES = 16  # sequences whose backward pass measures each layer's loss sensitivity
+_SENSITIVITY_BATCH = 2  # sequences per backward pass (bounds the memory of the logits and their gradient)
 
 
 @dataclass
@@ -32,6 +40,7 @@ class LayerStats:
     lag_p2: torch.Tensor  # (H, L) float64, per query
     inv_freq: torch.Tensor  # (d/2,) float64
     tokens: int
+    sensitivity: float | None = None  # E ||d loss / d attention output||^2 / D per token (None: not measured)
 
 
 def _rotate(x, cos, sin):
@@ -49,9 +58,10 @@ class _Accumulator:
         self.lag_p2 = None
         self.queries = 0
         self.with_attention = True
+        self.grad_energy, self.grad_values = 0.0, 0
 
     def __call__(self, module, args, kwargs):
-        x = kwargs.get("hidden_states", args[0] if args else None)
+        x = kwargs.get("hidden_states", args[0] if args else None).detach()
         B, L, D = x.shape
         flat = x.reshape(-1, D).double()
         aug = torch.cat([flat, torch.ones(flat.shape[0], 1, dtype=flat.dtype, device=flat.device)], dim=1)
@@ -84,10 +94,23 @@ class _Accumulator:
         self.lag_p2[:, :L] += prof
         self.queries += B * L
 
+    def probe_gradient(self, module, args, output):
+        """Forward hook on the attention module: accumulate ||d loss / d output||^2 in the backward pass."""
+        out = output[0] if isinstance(output, tuple) else output
+        if out.requires_grad:
+            out.register_hook(self._add_gradient)
+
+    def _add_gradient(self, grad):
+        self.grad_energy += float(grad.detach().double().square().sum())
+        self.grad_values += grad[..., 0].numel() * grad.shape[-1]  # tokens * D
+
     def result(self) -> LayerStats:
         q = max(self.queries, 1)
         lag = self.lag_p2 if self.lag_p2 is not None else torch.zeros(self.H, 1, dtype=torch.float64)
-        return LayerStats(self.sigma / self.tokens, lag / q, self.inv_freq, self.tokens)
+        sens = None
+        if self.grad_values:
+            sens = self.grad_energy / self.grad_values
+        return LayerStats(self.sigma / self.tokens, lag / q, self.inv_freq, self.tokens, sens)
 
 
 def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator:
@@ -97,27 +120,58 @@ def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator
     return _Accumulator(attn, inv_freq, shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
 
 
+def _sensitivity_pass(model, chunk: torch.Tensor, generator: torch.Generator) -> None:
+    """Forward and backward over CHUNK with labels sampled from the model's own prediction; the
+    gradient probes of the accumulators pick up d loss / d attention output on the way back.
+    Only activations carry gradients (the weights are frozen for the pass)."""
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    handle = model.get_input_embeddings().register_forward_hook(lambda mod, args, out: out.requires_grad_())
+    try:
+        with torch.enable_grad():
+            logits = model(input_ids=chunk, use_cache=False).logits.float()  # (B, L, V)
+            probs = logits.detach().flatten(0, 1).softmax(-1).cpu()
+            labels = torch.multinomial(probs, 1, generator=generator).view(chunk.shape).to(chunk.device)
+            del probs
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            loss.backward()
+    finally:
+        handle.remove()
+        for p, flag in frozen:
+            p.requires_grad_(flag)
+
+
 @torch.no_grad()
 def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = BATCH_SIZE,
-                  attention_samples: int = ATTENTION_SAMPLES,
-                  device: str = "cpu", quiet: bool = False) -> list[LayerStats]:
+                  attention_samples: int = ATTENTION_SAMPLES, sensitivity_samples: int = 0,
+                  device: str = "cpu", quiet: bool = False, seed: int = 0) -> list[LayerStats]:
     """Run MODEL (a transformers Llama-family causal LM) over BATCHES (N, L) and return per-layer stats.
 
     Attention statistics (lag_p2) use the first ``attention_samples`` sequences only: they
-    converge quickly and cost O(L^2) per sequence.
+    converge quickly and cost O(L^2) per sequence. The first ``sensitivity_samples`` sequences
+    also run backward (with the LM head) to measure each layer's ``sensitivity``; 0 skips it.
     """
     layers = model.model.layers
     inv_freq = model.model.rotary_emb.inv_freq.detach().cpu()
     accs = [layer_accumulator(layer.self_attn, inv_freq, shape) for layer in layers]
     handles = [layer.self_attn.register_forward_pre_hook(acc, with_kwargs=True) for layer, acc in zip(layers, accs)]
+    if sensitivity_samples:
+        handles += [layer.self_attn.register_forward_hook(acc.probe_gradient) for layer, acc in zip(layers, accs)]
+    generator = torch.Generator().manual_seed(seed)
     try:
         done = 0
         for start in tqdm(range(0, batches.shape[0], batch_size), desc="calibrating", disable=quiet, leave=False):
             chunk = batches[start : start + batch_size].to(device)
-            for acc in accs:
-                acc.with_attention = done < attention_samples
-            model.model(input_ids=chunk, use_cache=False)  # the LM head is not needed
-            done += chunk.shape[0]
+            step = _SENSITIVITY_BATCH if done < sensitivity_samples else chunk.shape[0]
+            for part in chunk.split(step):
+                for acc in accs:
+                    acc.with_attention = done < attention_samples
+                if done < sensitivity_samples:
+                    _sensitivity_pass(model, part, generator)
+                else:
+                    model.model(input_ids=part, use_cache=False)  # the LM head is not needed
+                done += part.shape[0]
     finally:
         for h in handles:
             h.remove()

@@ -32,6 +32,7 @@ class LayerMetrics:
     query_moment: torch.Tensor  # (H, d, d) E[q_i q_i^T] (unrotated)
     value_metric: torch.Tensor  # (G, d, d) sum over heads i of group g of rho_i W_O,i^T W_O,i
     scale: float
+    sensitivity: float | None = None  # KL per unit of squared output error, x2 (calibration.LayerStats)
     _sigma_half: torch.Tensor | None = None
 
     @property
@@ -114,4 +115,5 @@ def layer_metrics(w: AttentionWeights, stats: LayerStats) -> LayerMetrics:
         query_moment=query_moment,
         value_metric=value_metric,
         scale=scale,
+        sensitivity=stats.sensitivity,
     )

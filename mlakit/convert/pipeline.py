@@ -11,18 +11,20 @@ import torch
 from tqdm.auto import tqdm
 
 from .assemble import check_shapes, copied_tensors, mla_config, mla_layer_tensors, read_attention
-from .calibration import collect_stats
+from .calibration import SENSITIVITY_SAMPLES, collect_stats
 from .compress import Method, compress_layer
 from .families import attention_shape
 from .layer_metrics import layer_metrics
-from .rank_plan import plan_budget
+from .rank_plan import ALLOCATIONS, FISHER_STEP, plan_budget
 from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
 from .source import Source, open_source
 from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
 
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
-    "budget_values", "calibration_ids", "method_of", "needs_calibration", "resolve_dtype", "verify_token_ids",
+    "budget_values", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity", "resolve_allocation",
+    "resolve_dtype",
+    "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class ConvertOptions:
     kv_lora_rank: int | str = "full"
     rope_dim: int | str = "full"
     kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
-    allocation: str = "uniform"  # how a kv_budget is spread over layers: uniform or planned
+    allocation: str = "auto"  # how a kv_budget is spread over layers: rank_plan.ALLOCATIONS
     rope_method: str = "scored"
     lowrank_method: str = "rrr"
     fold: int = 0  # 0 = auto (see rope_select.auto_fold)
@@ -104,11 +106,27 @@ def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
 
 
+def resolve_allocation(opts: ConvertOptions, streaming: bool = False) -> ConvertOptions:
+    """OPTS with ``--allocation auto`` made concrete: ``fisher`` in memory, ``uniform`` when streaming
+    (the streaming pipeline cannot run the whole-model backward pass the sensitivities need)."""
+    if opts.allocation != "auto":
+        return opts
+    chosen = "uniform" if streaming else "fisher"
+    return replace(opts, allocation=chosen)
+
+
+def needs_sensitivity(opts: ConvertOptions) -> bool:
+    """Whether the allocation of OPTS (in memory) reads each layer's loss sensitivity (a backward pass)."""
+    return opts.kv_budget is not None and resolve_allocation(opts).allocation == "fisher"
+
+
 def calibrate(source: Source, shape: dict, opts: ConvertOptions):
     """Per-layer statistics from the calibration text."""
     model = source.load_model(torch.float32, opts.device)
     ids = calibration_ids(source, opts, model.config.vocab_size)
-    return collect_stats(model, ids, shape, device=opts.device, quiet=opts.quiet)
+    sens = min(SENSITIVITY_SAMPLES, ids.shape[0]) if needs_sensitivity(opts) else 0
+    return collect_stats(model, ids, shape, sensitivity_samples=sens, device=opts.device, quiet=opts.quiet,
+                         seed=opts.seed)
 
 
 def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> torch.Tensor:
@@ -129,8 +147,8 @@ def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
     """Checked --kv-budget and --allocation: the budget in cached values per token over all layers."""
     if not 0 < opts.kv_budget <= 1:
         raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
-    if opts.allocation not in ("uniform", "planned"):
-        raise ConversionError(f"allocation {opts.allocation!r} is not one of uniform, planned")
+    if opts.allocation not in ALLOCATIONS:
+        raise ConversionError(f"allocation {opts.allocation!r} is not one of {', '.join(ALLOCATIONS)}")
     return int(opts.kv_budget * n_layers * 2 * shape["num_kv_heads"] * shape["head_dim"])
 
 
@@ -142,22 +160,24 @@ def method_of(opts: ConvertOptions) -> Method:
         raise ConversionError(str(exc)) from exc
 
 
-def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True):
+def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True, fisher_step: float = FISHER_STEP):
     """MLA layers from source attention weights WS and per-layer metrics MS (None: data-free).
+    FISHER_STEP: how far ``--allocation fisher`` moves from uniform ranks (``rank_plan.allocate_ranks``).
 
     Returns (layers, plan report)."""
     n_layers = len(ws)
     method = method_of(opts)
+    opts = resolve_allocation(opts)
     if opts.kv_budget is not None:
         budget = budget_values(opts, shape, n_layers)
         fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
         try:
-            layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope,
-                                         planned=opts.allocation == "planned",
-                                         progress=lambda it, desc: _progress(it, desc, quiet))
+            layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope, allocation=opts.allocation,
+                                         progress=lambda it, desc: _progress(it, desc, quiet),
+                                         fisher_step=fisher_step)
         except ValueError as exc:
             raise ConversionError(str(exc)) from exc
-        return layers, report | {"budget_values_per_token": budget}
+        return layers, report | {"allocation": opts.allocation, "budget_values_per_token": budget}
     rank, rope_dim = check_ranks(opts, shape)
     layers = [compress_layer(w, m, method, rope_dim, rank)
               for w, m in _progress(list(zip(ws, ms)), "converting layers", quiet)]
@@ -208,7 +228,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     """Convert SRC into an MLA checkpoint at OUT; returns the conversion report.
 
     RECIPE (optional) only names the recipe the options came from, for the saved copy."""
-    opts = opts or ConvertOptions()
+    opts = resolve_allocation(opts or ConvertOptions())
     torch.manual_seed(opts.seed)
     start = time.time()
     out = Path(out)

@@ -2,13 +2,22 @@
 
 Every layer gets an error curve: the predicted output error of its RoPE split plus the tail of
 its reduced-rank spectrum at each r (``layer_metrics`` units). Layers are not comparable in
-absolute error (their outputs feed residual streams of very different scale), so the planner
-minimises the sum of *log* errors, which no per-layer scale can distort: a cached value goes
-where it cuts a layer's error by the largest factor. A Lagrangian sweep (each layer picks
-argmin log error + lambda * r) finds the price of one cached value; leftovers go greedily.
+absolute error (their outputs feed residual streams of very different scale), so errors must be
+put on one scale before they are traded:
 
-Measured on SmolLM2-135M the planned ranks did not beat the same rank in every layer (README,
-bench/quality_sweep.py), so ``uniform`` is the default allocation and ``planned`` is opt-in.
+- ``fisher`` (the default where the pipeline can measure it): each layer's error times half its
+  measured loss sensitivity (``calibration``: E||d loss / d attention output||^2 / D with labels
+  sampled from the source) is its predicted KL from the source, in nats per token. The planner
+  minimises the summed KL, then takes a damped step (``FISHER_STEP``) from uniform ranks toward
+  that optimum (``allocate_ranks`` says why).
+- ``planned``: the sum of *log* errors, which no per-layer scale can distort: a cached value goes
+  where it cuts a layer's error by the largest factor. It loses to uniform ranks at 50% and
+  87.5% reduction on SmolLM2-135M.
+- ``uniform``: the same rank in every layer; what the streaming pipeline uses by default, since
+  it cannot run the backward pass the sensitivities need.
+
+A Lagrangian sweep (each layer picks argmin curve + lambda * r) finds the price of one cached
+value; leftovers go greedily.
 
 The shared d_R defaults to ``ROPE_SHARE`` of the per-layer budget. We also tried letting the
 first-order model choose d_R per layer, and choosing it by the attention-output error on
@@ -28,7 +37,10 @@ from .low_rank import metric_energy, output_metric
 from .mla_layer import AttentionWeights, MLAWeights, nope_value_map
 from .rope_select import rope_error
 
-__all__ = ["ROPE_SHARE", "budget_layout", "budget_rope_dim", "log_error_curve", "plan_ranks", "plan_budget", "uniform_ranks"]
+__all__ = [
+    "ALLOCATIONS", "FISHER_STEP", "ROPE_SHARE", "allocate_ranks", "budget_layout", "budget_rope_dim", "damped_ranks",
+    "error_curve", "kl_curve", "log_error_curve", "plan_budget", "plan_ranks", "spend_leftovers", "uniform_ranks",
+]
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +60,8 @@ def budget_rope_dim(num_kv_heads: int, head_dim: int, per_layer_budget: float, s
     return int(min(num_kv_heads * head_dim, max(8, d_r)))
 
 
-def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
-    """log predicted error at r = 0 .. 2Gd - d_R for this layer with RoPE dims ROPE_DIM."""
+def error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
+    """Predicted output error (``layer_metrics`` units) at r = 0 .. 2Gd - d_R with RoPE dims ROPE_DIM."""
     plan = layer_plan(w, m, method, rope_dim)
     metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
     s2 = metric_energy(nope_value_map(w, plan), m.sigma_half, metric)
@@ -57,12 +69,26 @@ def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_d
     spectrum = torch.zeros(n_rows, dtype=torch.float64)
     spectrum[: s2.shape[0]] = s2
     tail = torch.cat([spectrum.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])  # tail[r]
-    total = rope_error(plan, w, m) + tail
+    return rope_error(plan, w, m) + tail
+
+
+def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
+    """log of ``error_curve``: the planner's scale-free per-layer objective."""
+    total = error_curve(w, m, method, rope_dim)
     return torch.log(total.clamp_min(total[0] * 1e-15 + 1e-300))
 
 
+def kl_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
+    """Predicted KL divergence from the source (nats per token, second order) at r = 0 .. 2Gd - d_R:
+    the layer's output error times half its measured loss sensitivity (``calibration.LayerStats``)."""
+    if m.sensitivity is None:
+        raise ValueError("the Fisher allocation needs each layer's loss sensitivity; calibrate with "
+                         "sensitivity_samples > 0")
+    return 0.5 * m.sensitivity * error_curve(w, m, method, rope_dim)
+
+
 def plan_ranks(curves: list[torch.Tensor], rank_budget: int, min_rank: int = 4) -> list[int]:
-    """Ranks per layer, sum <= rank_budget, minimising the summed log errors."""
+    """Ranks per layer, sum <= rank_budget, minimising the summed CURVES (any per-layer cost of r)."""
     if rank_budget < min_rank * len(curves):
         raise ValueError(f"a latent budget of {rank_budget} is below {min_rank} per layer")
 
@@ -74,7 +100,7 @@ def plan_ranks(curves: list[torch.Tensor], rank_budget: int, min_rank: int = 4) 
             out.append(int(cost.argmin()))
         return out
 
-    lo, hi, best = -12.0, 6.0, None  # log10 of the price of one cached value, in nats of log error
+    lo, hi, best = -12.0, 6.0, None  # log10 of the price of one cached value, in units of the curves
     for _ in range(60):
         mid = (lo + hi) / 2
         ranks = pick(10**mid)
@@ -82,9 +108,14 @@ def plan_ranks(curves: list[torch.Tensor], rank_budget: int, min_rank: int = 4) 
             best, hi = ranks, mid
         else:
             lo = mid
-    ranks = best if best is not None else [min_rank] * len(curves)
+    return spend_leftovers(curves, best if best is not None else [min_rank] * len(curves), rank_budget)
+
+
+def spend_leftovers(curves: list[torch.Tensor], ranks: list[int], rank_budget: int) -> list[int]:
+    """Give the values RANKS leave unspent, one at a time, where one more rank cuts its curve most."""
+    ranks = list(ranks)
     left = rank_budget - sum(ranks)
-    while left > 0:  # spend leftovers where one more rank cuts the log error most
+    while left > 0:
         gains = [float(c[r] - c[r + 1]) if r + 1 < c.shape[0] else -math.inf for c, r in zip(curves, ranks)]
         i = max(range(len(gains)), key=gains.__getitem__)
         if gains[i] == -math.inf:
@@ -112,17 +143,49 @@ def uniform_ranks(n_layers: int, num_kv_heads: int, head_dim: int, d_r: int, ran
     return [min(2 * num_kv_heads * head_dim - d_r, rank_budget // n_layers)] * n_layers
 
 
+ALLOCATIONS = ("auto", "uniform", "planned", "fisher")
+FISHER_STEP = 0.5  # how far the fisher allocation moves from uniform ranks toward the KL-optimal ones
+
+
+def allocate_ranks(ws: list[AttentionWeights], ms: list[LayerMetrics], method: Method, d_r: int, rank_budget: int,
+                   allocation: str, progress=lambda it, desc: it, fisher_step: float = FISHER_STEP) -> list[int]:
+    """Latent ranks per layer: the same rank everywhere (``uniform``), the log-error planner
+    (``planned``), or the damped Fisher plan (``fisher``, see ``damped_ranks``). (``auto`` is
+    resolved by the pipeline before this.)"""
+    uniform = uniform_ranks(len(ws), ws[0].num_kv_heads, ws[0].head_dim, d_r, rank_budget)
+    if allocation == "uniform":
+        return uniform
+    if allocation not in ("planned", "fisher"):
+        raise ValueError(f"allocation {allocation!r} is not one of uniform, planned, fisher")
+    curve = log_error_curve if allocation == "planned" else kl_curve
+    curves = [curve(w, m, method, d_r) for w, m in progress(list(zip(ws, ms)), f"planning ranks ({allocation})")]
+    if allocation == "planned":
+        return plan_ranks(curves, rank_budget)
+    return damped_ranks(curves, uniform, rank_budget, fisher_step)
+
+
+def damped_ranks(curves: list[torch.Tensor], uniform: list[int], rank_budget: int, step: float) -> list[int]:
+    """STEP of the way from UNIFORM ranks to the ranks that minimise the summed CURVES (predicted KL),
+    rounded down, then leftovers spent greedily on the curves.
+
+    Why damped: the KL prediction adds up each layer's error as if the others were exact, but every
+    compressed layer also shifts the inputs the later ones were calibrated on. On SmolLM2-135M the
+    full step beat uniform ranks at 50% and 68.75% KV reduction and lost to them at 81.25% and 87.5%,
+    while the half step beat both at all four (README, bench/quality_sweep.py)."""
+    if not 0 <= step <= 1:
+        raise ValueError(f"the fisher step must be in [0, 1], got {step}")
+    optimal = plan_ranks(curves, rank_budget)
+    damped = [u + math.floor(step * (o - u)) for u, o in zip(uniform, optimal)]  # floor: the sum stays in budget
+    return spend_leftovers(curves, damped, rank_budget)
+
+
 def plan_budget(ws: list[AttentionWeights], ms: list[LayerMetrics], method: Method, budget: int,
-                rope_dim: int | None = None, planned: bool = False,
-                progress=lambda it, desc: it) -> tuple[list[MLAWeights], dict]:
-    """Build every layer within BUDGET values per token (sum over layers of r + d_R): the same rank
-    in every layer, or (PLANNED) ranks from the log-error curves."""
-    n, w0 = len(ws), ws[0]
-    d_r, rank_budget = budget_layout(n, w0.num_kv_heads, w0.head_dim, budget, rope_dim, method.stock_rope)
-    if planned:
-        curves = [log_error_curve(w, m, method, d_r) for w, m in progress(list(zip(ws, ms)), "planning ranks")]
-        ranks = plan_ranks(curves, rank_budget)
-    else:
-        ranks = uniform_ranks(n, w0.num_kv_heads, w0.head_dim, d_r, rank_budget)
+                rope_dim: int | None = None, allocation: str = "uniform",
+                progress=lambda it, desc: it, fisher_step: float = FISHER_STEP) -> tuple[list[MLAWeights], dict]:
+    """Build every layer within BUDGET values per token (sum over layers of r + d_R), ranks chosen
+    by ALLOCATION (``allocate_ranks``)."""
+    w0 = ws[0]
+    d_r, rank_budget = budget_layout(len(ws), w0.num_kv_heads, w0.head_dim, budget, rope_dim, method.stock_rope)
+    ranks = allocate_ranks(ws, ms, method, d_r, rank_budget, allocation, progress, fisher_step)
     layers = [compress_layer(w, m, method, d_r, r) for w, m, r in progress(list(zip(ws, ms, ranks)), "converting")]
     return layers, {"rope_dim": d_r, "ranks": ranks}

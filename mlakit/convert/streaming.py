@@ -51,6 +51,8 @@ from .pipeline import (
     effective_recipe,
     method_of,
     needs_calibration,
+    needs_sensitivity,
+    resolve_allocation,
     resolve_dtype,
     verify_token_ids,
 )
@@ -126,6 +128,12 @@ class _StreamingConversion:
                 self.rope_dim, self.rank_budget = budget_layout(n, G, d, budget, fixed_rope, opts.stock_rope)
             except ValueError as exc:
                 raise ConversionError(str(exc)) from exc
+            if needs_sensitivity(opts):
+                raise ConversionError(
+                    f"--allocation {opts.allocation} measures each layer's loss sensitivity with a backward pass "
+                    f"through the whole model, which the streaming pipeline does not hold; use --pipeline "
+                    f"in-memory, or --allocation uniform, planned or auto (uniform when streaming)"
+                )
             self.planned = opts.allocation == "planned"
             self.ranks = None if self.planned else uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
             self.plan_report = {"rope_dim": self.rope_dim, "budget_values_per_token": budget}
@@ -439,7 +447,7 @@ def convert_streaming(
     """Convert SRC (a directory of safetensors shards) into an MLA checkpoint at OUT, layer by layer.
 
     Same output as ``pipeline.convert``; see the module docstring for memory and resume."""
-    opts, stream = opts or ConvertOptions(), stream or StreamOptions()
+    opts, stream = resolve_allocation(opts or ConvertOptions(), streaming=True), stream or StreamOptions()
     torch.manual_seed(opts.seed)
     start = time.time()
     out_path = check_output(out, opts.overwrite)

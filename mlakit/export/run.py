@@ -222,10 +222,12 @@ def convert_to_format(
         raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
     if convert_opts.dtype in ("float16", "fp16"):
         check_dtype(convert_opts.dtype, torch.float16)
-    if convert_opts.kv_budget is not None and convert_opts.allocation == "planned":
+    if convert_opts.allocation == "auto":  # per-layer ranks are what deepseek-v3 cannot hold
+        convert_opts = replace(convert_opts, allocation="uniform")
+    if convert_opts.kv_budget is not None and convert_opts.allocation != "uniform":
         raise ConversionError(
-            "--allocation planned gives each layer its own rank, which deepseek-v3 cannot hold; "
-            "use --allocation uniform with --format deepseek-v3"
+            f"--allocation {convert_opts.allocation} gives each layer its own rank, which deepseek-v3 cannot "
+            f"hold; use --allocation uniform (or auto) with --format deepseek-v3"
         )
     export_opts = export_opts or ExportOptions(overwrite=convert_opts.overwrite, verify=convert_opts.verify)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,7 @@ class Recipe(_Strict):
     name: str | None = None
     description: str | None = None
     kv_budget: float | None = Field(None, gt=0, le=1)
-    allocation: Literal["uniform", "planned"] = "uniform"
+    allocation: Literal["auto", "uniform", "planned", "fisher"] = "auto"
     kv_lora_rank: int | Literal["full"] | None = None
     rope_dim: int | Literal["full"] | None = None
     method: MethodSpec = MethodSpec()
