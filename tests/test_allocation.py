@@ -103,3 +103,13 @@ def test_streaming_refuses_fisher_and_resolves_auto_to_uniform(tiny_sources, tmp
     report = json.loads((tmp_path / "a" / "conversion.json").read_text())
     assert report["settings"]["allocation"] == "uniform"
     assert len({lay["kv_lora_rank"] for lay in report["layers"]}) == 1
+
+
+def test_deepseek_v3_format_resolves_auto_to_one_rank_for_every_layer(tiny_sources, tmp_path):
+    out = tmp_path / "ds"
+    res = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(out), "--kv-budget", "0.5",
+                                   "--format", "deepseek-v3", "--calib", "random", "--calib-samples", "4",
+                                   "--calib-seq-len", "16", "-q"])
+    assert res.exit_code == 0, res.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and isinstance(config["kv_lora_rank"], int)

@@ -100,7 +100,8 @@ def test_planner_never_exceeds_budget():
         plan_ranks(curves, 10)
 
 
-@pytest.mark.parametrize("fam, allocation", [("llama_gqa", "planned"), ("qwen2", "planned"), ("llama_mha", "uniform")])
+@pytest.mark.parametrize("fam, allocation", [("llama_gqa", "planned"), ("qwen2", "planned"), ("llama_mha", "uniform"),
+                                             ("llama_gqa", "fisher"), ("qwen2", "fisher")])
 def test_budget_conversion_fits_and_cache_matches_plan(tiny_sources, tmp_path, fam, allocation):
     out = tmp_path / "b"
     report = convert(str(tiny_sources[fam]), out, ConvertOptions(kv_budget=0.5, allocation=allocation, **CALIB))

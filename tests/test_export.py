@@ -326,9 +326,10 @@ def test_non_native_input_and_unknown_format_are_refused(natives, tmp_path):
         export(natives["window"], tmp_path / "y", ExportOptions(format="gguf"))
 
 
-def test_convert_format_refuses_planned_allocation_before_converting(natives, tmp_path):
-    opts = ConvertOptions(**CALIB, kv_budget=0.5, allocation="planned")
-    with pytest.raises(ValueError, match="--allocation uniform"):
+@pytest.mark.parametrize("allocation", ["planned", "fisher"])
+def test_convert_format_refuses_per_layer_allocations_before_converting(natives, tmp_path, allocation):
+    opts = ConvertOptions(**CALIB, kv_budget=0.5, allocation=allocation)
+    with pytest.raises(ValueError, match=f"--allocation {allocation} gives each layer its own rank"):
         convert_to_format("deepseek-v3", str(natives["scored_src"]), tmp_path / "x", opts)
     assert not list(tmp_path.iterdir())
 
@@ -406,8 +407,9 @@ def test_smollm2_full_rope_is_refused_with_the_fix(smollm2_full, tmp_path):
 @pytest.mark.slow
 def test_smollm2_export_matches_native(tmp_path):
     native = tmp_path / "native"
-    opts = ConvertOptions(  # the smollm2-135m recipe's budget and method, stock-form rope
+    opts = ConvertOptions(  # the smollm2-135m recipe's budget and method, stock-form rope, one rank for every layer
         kv_budget=0.3125,
+        allocation="uniform",
         stock_rope=True,
         calib_samples=16,
         calib_seq_len=128,

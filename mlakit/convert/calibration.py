@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 BATCH_SIZE = 8  # calibration sequences per forward pass
 ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
 SENSITIVITY_SAMPLES = 16  # sequences whose backward pass measures each layer's loss sensitivity
-_SENSITIVITY_BATCH = 2  # sequences per backward pass (bounds the memory of the logits and their gradient)
+_SENSITIVITY_BATCH = 1  # sequences per backward pass (bounds the memory of the saved activations)
+_LOGIT_ROWS = 64  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
 
 
 @dataclass
@@ -102,14 +103,12 @@ class _Accumulator:
 
     def _add_gradient(self, grad):
         self.grad_energy += float(grad.detach().double().square().sum())
-        self.grad_values += grad[..., 0].numel() * grad.shape[-1]  # tokens * D
+        self.grad_values += grad.numel()  # tokens * D
 
     def result(self) -> LayerStats:
         q = max(self.queries, 1)
         lag = self.lag_p2 if self.lag_p2 is not None else torch.zeros(self.H, 1, dtype=torch.float64)
-        sens = None
-        if self.grad_values:
-            sens = self.grad_energy / self.grad_values
+        sens = self.grad_energy / self.grad_values if self.grad_values else None
         return LayerStats(self.sigma / self.tokens, lag / q, self.inv_freq, self.tokens, sens)
 
 
@@ -123,19 +122,24 @@ def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator
 def _sensitivity_pass(model, chunk: torch.Tensor, generator: torch.Generator) -> None:
     """Forward and backward over CHUNK with labels sampled from the model's own prediction; the
     gradient probes of the accumulators pick up d loss / d attention output on the way back.
-    Only activations carry gradients (the weights are frozen for the pass)."""
+    Only activations carry gradients (the weights are frozen for the pass), and the LM head runs
+    on ``_LOGIT_ROWS`` positions at a time, so the logits never exist for the whole chunk at once."""
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     handle = model.get_input_embeddings().register_forward_hook(lambda mod, args, out: out.requires_grad_())
+    head = model.get_output_embeddings()
     try:
         with torch.enable_grad():
-            logits = model(input_ids=chunk, use_cache=False).logits.float()  # (B, L, V)
-            probs = logits.detach().flatten(0, 1).softmax(-1).cpu()
-            labels = torch.multinomial(probs, 1, generator=generator).view(chunk.shape).to(chunk.device)
-            del probs
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-            loss.backward()
+            hidden = model.model(input_ids=chunk, use_cache=False).last_hidden_state  # (B, L, D)
+            top = hidden.detach().requires_grad_()
+            for rows in top.flatten(0, 1).split(_LOGIT_ROWS):
+                logits = head(rows).float()  # (rows, V)
+                probs = logits.detach().softmax(-1).cpu()
+                labels = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(rows.device)
+                del probs
+                torch.nn.functional.cross_entropy(logits, labels, reduction="sum").backward()
+            hidden.backward(top.grad)
     finally:
         handle.remove()
         for p, flag in frozen:

@@ -23,8 +23,7 @@ from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
     "budget_values", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity", "resolve_allocation",
-    "resolve_dtype",
-    "verify_token_ids",
+    "resolve_dtype", "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -111,8 +110,7 @@ def resolve_allocation(opts: ConvertOptions, streaming: bool = False) -> Convert
     (the streaming pipeline cannot run the whole-model backward pass the sensitivities need)."""
     if opts.allocation != "auto":
         return opts
-    chosen = "uniform" if streaming else "fisher"
-    return replace(opts, allocation=chosen)
+    return replace(opts, allocation="uniform" if streaming else "fisher")
 
 
 def needs_sensitivity(opts: ConvertOptions) -> bool:

@@ -136,7 +136,8 @@ class _StreamingConversion:
                 )
             self.planned = opts.allocation == "planned"
             self.ranks = None if self.planned else uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
-            self.plan_report = {"rope_dim": self.rope_dim, "budget_values_per_token": budget}
+            self.plan_report = {"allocation": opts.allocation, "rope_dim": self.rope_dim,
+                                "budget_values_per_token": budget}
         else:
             rank, self.rope_dim = check_ranks(opts, shape)
             self.ranks = [rank] * n
