@@ -9,7 +9,7 @@ put on one scale before they are traded:
   measured loss sensitivity (``calibration``: E||d loss / d attention output||^2 / D with labels
   sampled from the source) is its predicted KL from the source, in nats per token. The planner
   minimises the summed KL, then takes a damped step (``FISHER_STEP``) from uniform ranks toward
-  that optimum (``allocate_ranks`` says why).
+  that optimum (``damped_ranks`` says why).
 - ``planned``: the sum of *log* errors, which no per-layer scale can distort: a cached value goes
   where it cuts a layer's error by the largest factor. It loses to uniform ranks at 50% and
   87.5% reduction on SmolLM2-135M.
