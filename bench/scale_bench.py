@@ -18,12 +18,12 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from child_process import run_measured
 from safetensors.torch import save_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -125,25 +125,9 @@ def run_conversion(src: Path, out: Path, args) -> dict:
     # idle OpenMP threads sleep instead of spinning: on a shared, oversubscribed machine spinning
     # threads burn the cores the other thread needs (MKL's eigh at 4097^2: 54 vs 16 CPU s here)
     env = {**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy}
-    start = time.time()
-    load_before = os.getloadavg()
-    log = out.parent / f"convert-{out.name}.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage: its peak RSS alone
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    wall = time.time() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"conversion failed ({proc.returncode}):\n{log.read_text()[-4000:]}")
-    report = json.loads((out / "conversion.json").read_text())
-    cpu = usage.ru_utime + usage.ru_stime  # wall time on a shared machine mostly measures the other jobs
-    return {
-        "wall_s": round(wall, 1),
-        "cpu_s": round(cpu, 1),
-        "peak_rss_bytes": usage.ru_maxrss * 1024,
-        "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "report": report,
-    }
+    # wall time on a shared machine mostly measures the other jobs: CPU time is reported beside it
+    measured = run_measured(cmd, out.parent / f"convert-{out.name}.log", env)
+    return measured | {"report": json.loads((out / "conversion.json").read_text())}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from .layer_metrics import layer_metrics
 from .rank_plan import ALLOCATIONS, FISHER_STEP, plan_budget
 from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
 from .source import Source, open_source
+from .stream_memory import return_free_memory
 from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
 
 __all__ = [
@@ -233,6 +234,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     if out.exists() and not opts.overwrite:
         raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
     source = open_source(src)
+    phases = {"open": time.time() - start}
     shape = attention_shape(source.config)
     check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
     dtype = resolve_dtype(opts.dtype, source.config)
@@ -240,7 +242,10 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     ms = [None] * len(ws)
     if needs_calibration(opts, shape):
         ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
+        return_free_memory()  # the backward pass's activations
+    phases["calibrate"] = time.time() - start - sum(phases.values())
     layers, plan_report = build_layers(ws, ms, shape, opts, opts.quiet)
+    phases["build"] = time.time() - start - sum(phases.values())
     del ws, ms
     reference = _reference_logits(source, opts.device) if opts.verify else None
     state = assemble_state(source, shape, layers, dtype)
@@ -264,13 +269,16 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
         save_state_dict(state, tmp)
         del state, layers  # the converted weights are on disk now; verification reloads them
         source.release()
+        return_free_memory()
         config.to_json_file(str(tmp / "config.json"), use_diff=False)
         write_modeling_code(tmp)
         (tmp / "recipe.yaml").write_text(effective_recipe(opts, recipe).to_yaml())
         _write_tokenizer_files(source, config, tmp)
         if opts.verify:
             report["verify"] = verify(reference, tmp, opts.device)
+        phases["write_and_verify"] = time.time() - start - sum(phases.values())
         report["seconds"] = round(time.time() - start, 2)
+        report["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
         write_json(tmp / "conversion.json", report)
     log.info("wrote %s in %.1f s", out, time.time() - start)
     return report

@@ -4,6 +4,8 @@ reads of source checkpoints live here."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -14,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .families import family_for
+from .stream_memory import return_free_memory
 
 __all__ = [
     "DEFAULT_MODEL", "Source", "SourceError", "default_gguf_path", "load_source_model", "open_source", "resolve_source",
@@ -209,12 +212,41 @@ def _open_dir(directory: Path, spec: str) -> Source:
     return source
 
 
+@contextlib.contextmanager
+def _parse_gguf_once():
+    """Inside this block, reading one GGUF file with transformers parses it once.
+
+    transformers parses the whole file (tens of thousands of vocabulary strings) separately for the
+    config, the weights and the tokenizer, and rebuilds gguf's tensor-name map for every submodule
+    of the model: about 10 s of the load of SmolLM2-135M on 2 cores. Here a path gives the same
+    parsed (read-only) reader each time and the name map is built once per architecture. If a
+    transformers release reads GGUF files differently, nothing is shared and nothing breaks."""
+    import gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_class(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
+
+
 def _open_gguf(path: Path, spec: str) -> Source:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("dequantizing %s", path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        with _parse_gguf_once():
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise SourceError(f"{path} could not be read as a GGUF model ({exc})") from exc
     config = model.config
@@ -225,7 +257,9 @@ def _open_gguf(path: Path, spec: str) -> Source:
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
-    return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state, _model=model)
+    return_free_memory()  # the parsed file
+    return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state, _model=model,
+                  _tokenizer=tokenizer)
 
 
 def load_source_model(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -235,4 +269,5 @@ def load_source_model(spec: str, dtype: torch.dtype = torch.float32, device: str
         source = Source(spec=str(spec), config=None, gguf_file=path)
     else:
         source = Source(spec=str(spec), config=_read_config(path, str(spec)), directory=path)
-    return source.load_model(dtype, device), source.tokenizer()
+    with _parse_gguf_once() if kind == "gguf" else contextlib.nullcontext():
+        return source.load_model(dtype, device), source.tokenizer()

@@ -16,11 +16,14 @@ It is an estimate for choosing a batch size and refusing hopeless settings early
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 
 import torch
 
-__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes"]
+__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes", "return_free_memory"]
 
 _F32, _F64 = 4, 8
 
@@ -32,6 +35,18 @@ def current_rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return 0
+
+
+def return_free_memory() -> None:
+    """Collect garbage and hand the allocator's free pages back to the system (glibc only), so that
+    the next big allocation does not add to a peak made of memory that is already free."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        try:
+            ctypes.CDLL(libc).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
 
 
 def _dtype_bytes(config) -> int:

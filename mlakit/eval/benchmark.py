@@ -13,7 +13,6 @@ import torch
 from .decode_bench import benchmark_decode
 from .kv_accounting import account_kv, kv_reduction
 from .loading import load_converted_model, load_original_model, read_conversion, resolve_device, resolve_dtype
-from .plots import bench_figure
 
 __all__ = ["BenchSettings", "bench_figures", "run_bench"]
 
@@ -119,6 +118,8 @@ def run_bench(s: BenchSettings) -> dict:
 
 
 def bench_figures(report: dict) -> dict:
+    from .plots import bench_figure
+
     return {
         "bench.png": bench_figure(
             {m["label"]: m["results"] for m in (report["original"], report["converted"])}

@@ -31,7 +31,6 @@ from .loading import (
     resolve_dtype,
 )
 from .perplexity import sliding_window_perplexity
-from .plots import kv_per_layer_figure, layer_ranks_figure, ppl_vs_kv_figure
 from .samples import DEFAULT_PROMPTS, greedy_continuations
 
 __all__ = ["EvalSettings", "eval_figures", "layer_ranks", "run_eval", "token_ids_digest"]
@@ -257,7 +256,8 @@ def run_eval(s: EvalSettings) -> dict:
 
 
 def eval_figures(report: dict, draw: bool = True) -> dict:
-    """Figures for an eval report, by file name (``draw=False``: names only, values None)."""
+    """Figures for an eval report, by file name (``draw=False``: names only, values None).
+    matplotlib is imported only to draw: it costs every CLI start 0.6 s."""
     converted = report.get("sweep") or [report["converted"]]
     names = ["kv_per_layer.png"]
     if any(c.get("layer_ranks") for c in converted):
@@ -266,6 +266,8 @@ def eval_figures(report: dict, draw: bool = True) -> dict:
         names.append("ppl_vs_kv.png")
     if not draw:
         return dict.fromkeys(names)
+    from .plots import kv_per_layer_figure, layer_ranks_figure, ppl_vs_kv_figure
+
     figs = {}
     models = [report["original"], *converted]
     figs["kv_per_layer.png"] = kv_per_layer_figure(

@@ -1,0 +1,134 @@
+"""Conversion cost of the main job: wall time and peak RSS of ``mla-convert convert default``.
+
+Runs ``mla-convert convert SRC OUT --recipe RECIPE -q`` (in-memory pipeline, logit verification
+included) in a child process ``--runs`` times; the peak RSS is the child's own (``os.wait4``).
+Before each run the bench measures this machine's float32 GEMM rate on a matrix product of the
+default model's MLP shape, because machines of one type differ (the same code has taken
+80 s and 160 s on different days): the rate says how fast the machine was, and the matmul work
+of the calibration divided by it is a floor for the calibration's time on that machine. Each
+run's phase times come from the conversion's own ``conversion.json``. Writes
+bench/results/convert_cost.{md,json}.
+
+    python bench/convert_cost.py                       # 3 runs of the main job
+    python bench/convert_cost.py --runs 1 --no-write-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from child_process import run_measured
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOALS = {"wall_s": 90.0, "peak_rss_gb": 2.0}  # issue #3, on 2 CPU cores
+
+
+def gemm_gflops(rows: int = 2048, inner: int = 576, cols: int = 1536, repeats: int = 30) -> float:
+    """Median float32 GEMM rate of this machine, GFLOP/s, on an (rows x inner) @ (inner x cols) product."""
+    a, w = torch.randn(rows, inner), torch.randn(cols, inner)
+    torch.nn.functional.linear(a, w)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        times.append(time.perf_counter() - t)
+    return 2 * rows * inner * cols / statistics.median(times) / 1e9
+
+
+def calibration_gflop(config: dict, report: dict, sensitivity_sequences: int) -> float:
+    """Matrix-product work of the calibration (GFLOP): the forward over every calibration token
+    (decoder layers only, the LM head is skipped), plus the backward and the LM head (forward and
+    backward) over the sequences that measure the loss sensitivities."""
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    queries = config["num_attention_heads"] * config["head_dim"]
+    kv_values = report["source_kv_values_per_token_per_layer"]  # keys and values of the source
+    per_token = layers * (2 * hidden * queries + hidden * kv_values + 3 * hidden * inter)  # multiply-adds
+    settings = report["settings"]
+    tokens = settings["calib_samples"] * settings["calib_seq_len"]
+    sens_tokens = sensitivity_sequences * settings["calib_seq_len"]
+    head = hidden * config["vocab_size"]
+    return 2 * (tokens * per_token + sens_tokens * (per_token + 2 * head)) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", default="default")
+    ap.add_argument("--recipe", default="smollm2-135m")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-write-results", action="store_true")
+    args = ap.parse_args()
+    from mlakit.convert.calibration import SENSITIVITY_SAMPLES
+
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="convert-cost-") as tmp:
+        for i in range(args.runs):
+            gflops = gemm_gflops()
+            out = Path(tmp) / f"run{i}"
+            cmd = [sys.executable, "-c", "from mlakit.cli import main; main()", "convert", args.src, str(out),
+                   "--recipe", args.recipe, "-q"]
+            res = run_measured(cmd, Path(tmp) / f"run{i}.log")
+            report = json.loads((out / "conversion.json").read_text())
+            config = json.loads((out / "config.json").read_text())
+            sens = SENSITIVITY_SAMPLES if report["plan"].get("allocation") == "fisher" else 0
+            work = calibration_gflop(config, report, sens)
+            runs.append(res | {
+                "peak_rss_gb": round(res.pop("peak_rss_bytes") / 1e9, 3),
+                "gemm_gflops_before": round(gflops, 1),
+                "calibration_matmul_gflop": round(work, 1),
+                "calibration_floor_s": round(work / gflops, 1),
+                "phase_seconds": report.get("phase_seconds"),
+                "kv_values_per_token": report["kv_values_per_token"],
+            })
+            print(json.dumps(runs[-1]), flush=True)
+    result = {
+        "command": f"mla-convert convert {args.src} OUT --recipe {args.recipe} -q",
+        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()},
+        "goals": GOALS,
+        "runs": runs,
+        "median": {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "peak_rss_gb", "gemm_gflops_before")},
+    }
+    md = markdown(result)
+    print(md)
+    if not args.no_write_results:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "convert_cost.json").write_text(json.dumps(result, indent=2))
+        (RESULTS / "convert_cost.md").write_text(md)
+
+
+def markdown(result: dict) -> str:
+    phases = list(result["runs"][0]["phase_seconds"] or {})
+    head = ["run", "wall s", "peak RSS GB", "CPU s", "GEMM GFLOP/s", "calibration floor s", *[f"{p} s" for p in phases]]
+    lines = [f"Command: `{result['command']}`; {result['machine']['cpu']}, {result['machine']['torch_threads']} "
+             f"torch threads. Goals: under {GOALS['wall_s']:.0f} s wall and {GOALS['peak_rss_gb']} GB peak RSS.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, r in enumerate(result["runs"]):
+        cells = [i + 1, r["wall_s"], r["peak_rss_gb"], r["cpu_s"], r["gemm_gflops_before"], r["calibration_floor_s"],
+                 *[(r["phase_seconds"] or {}).get(p) for p in phases]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    med = result["median"]
+    lines += ["", f"Median: {med['wall_s']} s wall, {med['peak_rss_gb']} GB peak RSS, "
+              f"GEMM {med['gemm_gflops_before']} GFLOP/s. The floor is the calibration's matrix-product work "
+              f"({result['runs'][0]['calibration_matmul_gflop']} GFLOP) at the GEMM rate measured before the run.", ""]
+    return "\n".join(lines)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Calibration statistics: the second moment against a float64 reference, the forward that stops
+at the last attention input, label sampling, and the single parse of a GGUF file."""
+
+from __future__ import annotations
+
+import gguf
+import torch
+
+from mlakit.convert import source as source_module
+from mlakit.convert.calibration import _sample_rows, collect_stats, layer_accumulator
+from mlakit.convert.families import attention_shape
+from mlakit.convert.source import open_source
+
+
+def _reference_moments(model, ids):
+    """E[x~ x~^T] of every attention input over a full forward, products and sums in float64."""
+    inputs = {}
+
+    def keep(i):
+        def hook(module, args, kwargs):
+            inputs.setdefault(i, []).append(kwargs["hidden_states"].detach().reshape(-1, kwargs["hidden_states"].shape[-1]))
+        return hook
+
+    handles = [layer.self_attn.register_forward_pre_hook(keep(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    out = []
+    for i in range(len(model.model.layers)):
+        x = torch.cat(inputs[i]).double()
+        aug = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1)
+        out.append((aug.T @ aug / len(x), aug.abs().T @ aug.abs() / len(x)))
+    return out
+
+
+def test_moments_match_a_float64_reference_and_the_forward_stops_after_the_last_attention(tiny_sources):
+    source = open_source(str(tiny_sources["llama_gqa"]))
+    shape = attention_shape(source.config)
+    model = source.load_model(torch.float32)
+    ids = torch.randint(3, 96, (12, 24), generator=torch.Generator().manual_seed(0))
+    calls = []
+    handle = model.model.norm.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        stats = collect_stats(model, ids, shape, batch_size=4, quiet=True)
+    finally:
+        handle.remove()
+    assert not calls  # the final norm (after the last attention) never ran
+    for st, (want, magnitude) in zip(stats, _reference_moments(model, ids)):
+        assert st.tokens == ids.numel()
+        assert torch.equal(st.sigma, st.sigma.T)
+        assert float(((st.sigma - want).abs() / magnitude).max()) < 1e-5
+
+
+def test_float32_products_keep_entries_with_outlier_channels_accurate():
+    """Residual streams carry a few channels hundreds of times larger than the rest; the error
+    of every entry must stay small next to the magnitude of its own terms."""
+    D, n = 64, 6000
+    x = torch.randn(2, n // 2, D, generator=torch.Generator().manual_seed(0))
+    x[..., 3] *= 800.0
+    x[..., 7] += 50.0
+    acc = layer_accumulator(None, torch.ones(2), {"num_heads": 1, "num_kv_heads": 1, "head_dim": 4})
+    acc.with_attention = False
+    acc(None, (), {"hidden_states": x})
+    flat = x.reshape(-1, D).double()
+    aug = torch.cat([flat, torch.ones(n, 1, dtype=flat.dtype)], dim=1)
+    want, magnitude = aug.T @ aug / n, aug.abs().T @ aug.abs() / n
+    got = acc.result().sigma
+    assert float(((got - want).abs() / magnitude).max()) < 1e-5
+    assert got[D, D] == 1 and torch.allclose(got[:D, D], flat.mean(0), rtol=0, atol=1e-9)
+
+
+def test_sampled_labels_follow_each_rows_distribution():
+    probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.0, 0.0, 0.0, 1.0]]).repeat(10000, 1)
+    labels = _sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
+    freq = torch.bincount(labels[:, 0], minlength=4).double() / 10000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.015), freq
+    assert torch.all(labels[:, 1] == 3)
+    again = _sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
+    assert torch.equal(labels, again)  # seeded
+
+
+def test_a_gguf_file_is_parsed_once_inside_the_block(monkeypatch, tmp_path):
+    made = []
+
+    class CountingReader:
+        def __init__(self, path, mode="r"):
+            made.append((str(path), mode))
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
+    maps = []
+    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, n: maps.append((arch, n)) or object())
+    with source_module._parse_gguf_once():
+        first, second = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "a.gguf")
+        other = gguf.GGUFReader(tmp_path / "b.gguf")
+        assert first is second and other is not first
+        assert gguf.get_tensor_name_map(1, 30) is gguf.get_tensor_name_map(1, 30)
+    assert made == [(str(tmp_path / "a.gguf"), "r"), (str(tmp_path / "b.gguf"), "r")]
+    assert maps == [(1, 30)]
+    assert gguf.GGUFReader is CountingReader  # restored on the way out
+    gguf.GGUFReader(tmp_path / "a.gguf")
+    assert len(made) == 3
