@@ -21,7 +21,8 @@ value; leftovers go greedily.
 
 The shared d_R defaults to ``ROPE_SHARE`` of the per-layer budget. We also tried letting the
 first-order model choose d_R per layer, and choosing it by the attention-output error on
-held-out sequences; both gave worse perplexity than this fixed share on SmolLM2 (see README).
+held-out sequences; both gave worse perplexity than this fixed share on SmolLM2, and so did
+choosing it from the fisher KL curves (see README, "Not done yet").
 """
 
 from __future__ import annotations
