@@ -1,4 +1,5 @@
-"""Run a command in a child process and measure it: wall time, CPU time and the child's own peak RSS."""
+"""Measurement helpers of the benches: a command run in a child process (wall time, CPU time and the
+child's own peak RSS), and the name of this machine's CPU."""
 
 from __future__ import annotations
 
@@ -27,3 +28,14 @@ def run_measured(cmd: list[str], log: Path, env: dict | None = None) -> dict:
         "peak_rss_bytes": usage.ru_maxrss * 1024,
         "load_avg_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def cpu_name() -> str | None:
+    """/proc/cpuinfo's model name, or None where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None

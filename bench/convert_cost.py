@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from child_process import run_measured
+from child_process import cpu_name, run_measured
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"wall_s": 90.0, "peak_rss_gb": 2.0}  # issue #3, on 2 CPU cores
@@ -90,7 +90,7 @@ def main() -> None:
             print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"mla-convert convert {args.src} OUT --recipe {args.recipe} -q",
-        "machine": {"platform": platform.platform(), "cpu": _cpu_name(), "torch_threads": torch.get_num_threads()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_name() or platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()},
         "goals": GOALS,
         "runs": runs,
         "median": {k: statistics.median(r[k] for r in runs) for k in ("wall_s", "peak_rss_gb", "gemm_gflops_before")},
@@ -118,16 +118,6 @@ def markdown(result: dict) -> str:
               f"GEMM {med['gemm_gflops_before']} GFLOP/s. The floor is the calibration's matrix-product work "
               f"({result['runs'][0]['calibration_matmul_gflop']} GFLOP) at the GEMM rate measured before the run.", ""]
     return "\n".join(lines)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from child_process import cpu_name
 
 VARIANTS = ("source", "mla-absorbed", "mla-expanded")
 LABELS = {"source": "source GQA", "mla-absorbed": "MLA absorbed", "mla-expanded": "MLA expanded"}
@@ -353,24 +354,14 @@ def main(argv=None):
         "kv_reduction": (1 - mla_kv / kv["source"]) if "source" in kv and mla_kv else None,
         "points": points,
     }
-    _cpu_name(report)
+    if cpu_name():  # the model name says more than the platform's terse processor string
+        report["machine"]["cpu"] = f"{cpu_name()} ({os.cpu_count()} cores)"
     md = markdown(report)
     (args.out / "decode_speed.json").write_text(json.dumps(report, indent=2))
     (args.out / "decode_speed.md").write_text(md + "\n")
     print()
     print(md)
     print(f"\nwrote {args.out / 'decode_speed.json'} and {args.out / 'decode_speed.md'}")
-
-
-def _cpu_name(report: dict) -> None:
-    """Replace the platform's terse processor string with /proc/cpuinfo's model name where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                report["machine"]["cpu"] = f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-                return
-    except OSError:
-        pass
 
 
 if __name__ == "__main__":
