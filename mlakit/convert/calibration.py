@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 BATCH_SIZE = 8  # calibration sequences per forward pass
 ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
-SENSITIVITY_SAMPLES = 8  # sequences whose backward pass measures each layer's loss sensitivity (ranks move by <= 3 from 16)
+SENSITIVITY_SAMPLES = 8  # sequences of the sensitivity backward pass (bench/experiments/sensitivity_samples.py)
 _SENSITIVITY_BATCH = 1  # sequences per backward pass (bounds the memory of the saved activations)
 _LOGIT_ROWS = 64  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
 _MOMENT_ROWS = 2048  # tokens per float32 product of the second moment (bounds its rounding error)
