@@ -1,12 +1,10 @@
 """Calibration statistics: the second moment against a float64 reference, the forward that stops
-at the last attention input, label sampling, and the single parse of a GGUF file."""
+at the last attention input, and label sampling."""
 
 from __future__ import annotations
 
-import gguf
 import torch
 
-from mlakit.convert import source as source_module
 from mlakit.convert.calibration import _sample_rows, collect_stats, layer_accumulator
 from mlakit.convert.families import attention_shape
 from mlakit.convert.source import open_source
@@ -55,6 +53,26 @@ def test_moments_match_a_float64_reference_and_the_forward_stops_after_the_last_
         assert float(((st.sigma - want).abs() / magnitude).max()) < 1e-5
 
 
+def test_lag_profile_matches_the_models_own_attention_probabilities(tiny_sources):
+    """lag_p2[h, k] = E over queries of sum over keys at lag k of p^2, from the probabilities the
+    source's eager attention computes (rotary, grouped KV heads, causal mask, scaling included)."""
+    source = open_source(str(tiny_sources["llama_gqa"]))
+    shape = attention_shape(source.config)
+    model = source.load_model(torch.float32)
+    ids = torch.randint(3, 96, (6, 20), generator=torch.Generator().manual_seed(1))
+    stats = collect_stats(model, ids, shape, batch_size=4, attention_samples=4, quiet=True)  # the first batch
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        probs = model(ids[:4], output_attentions=True).attentions  # per layer (B, H, L, L)
+    L = ids.shape[1]
+    lag = torch.arange(L)[:, None] - torch.arange(L)[None]
+    for st, p in zip(stats, probs):
+        p2 = p.double().square().sum(0)  # (H, L, L)
+        want = torch.stack([p2[:, lag == k].sum(1) for k in range(L)], dim=1) / (4 * L)
+        assert torch.allclose(st.lag_p2, want, rtol=1e-5, atol=1e-9)
+        assert torch.allclose(st.lag_p2.sum(1), want.sum(1), rtol=1e-5)
+
+
 def test_float32_products_keep_entries_with_outlier_channels_accurate():
     """Residual streams carry a few channels hundreds of times larger than the rest; the error
     of every entry must stay small next to the magnitude of its own terms."""
@@ -81,25 +99,3 @@ def test_sampled_labels_follow_each_rows_distribution():
     assert torch.all(labels[:, 1] == 3)
     again = _sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
     assert torch.equal(labels, again)  # seeded
-
-
-def test_a_gguf_file_is_parsed_once_inside_the_block(monkeypatch, tmp_path):
-    made = []
-
-    class CountingReader:
-        def __init__(self, path, mode="r"):
-            made.append((str(path), mode))
-
-    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
-    maps = []
-    monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, n: maps.append((arch, n)) or object())
-    with source_module._parse_gguf_once():
-        first, second = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "a.gguf")
-        other = gguf.GGUFReader(tmp_path / "b.gguf")
-        assert first is second and other is not first
-        assert gguf.get_tensor_name_map(1, 30) is gguf.get_tensor_name_map(1, 30)
-    assert made == [(str(tmp_path / "a.gguf"), "r"), (str(tmp_path / "b.gguf"), "r")]
-    assert maps == [(1, 30)]
-    assert gguf.GGUFReader is CountingReader  # restored on the way out
-    gguf.GGUFReader(tmp_path / "a.gguf")
-    assert len(made) == 3

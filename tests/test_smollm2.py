@@ -108,3 +108,21 @@ def test_eval_of_compressed_conversion_writes_complete_report(tmp_path):
     assert report["ppl_ratio"] > 1.0
     names = {p.name for p in (tmp_path / "report").iterdir()}
     assert {"report.json", "report.md", "layer_ranks.png"} <= names, names
+
+
+def test_shared_gguf_parse_gives_the_plain_transformers_weights_and_tokenizer(smollm2_source):
+    """``load_source_model`` parses the file once, from memory; a plain transformers load (no
+    sharing) gives the same tensors and the same token ids."""
+    from transformers import AutoModelForCausalLM
+
+    from mlakit.convert.source import default_gguf_path
+
+    path = default_gguf_path()
+    plain = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ours = smollm2_source[0].state_dict()
+    theirs = plain.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    plain_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    text = pydoc_data.topics.topics["assignment"][:2000]
+    assert smollm2_source[1](text).input_ids == plain_tokenizer(text).input_ids

@@ -86,14 +86,14 @@ class _Accumulator:
     def _attention_stats(self, x, position_embeddings):
         B, L, _ = x.shape
         H, G, d = self.H, self.G, self.d
-        q = self.attn.q_proj(x).view(B, L, H, d).transpose(1, 2).float()
+        q = self.attn.q_proj(x).view(B, L, H, d).transpose(1, 2).float() * d**-0.5
         k = self.attn.k_proj(x).view(B, L, G, d).transpose(1, 2).float()
         cos, sin = (t.float()[:, None] for t in position_embeddings)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k = k.repeat_interleave(H // G, dim=1)
-        scores = (q @ k.transpose(-1, -2)) * d**-0.5
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        p2 = scores.masked_fill(~causal, float("-inf")).softmax(-1).square().sum(0).double()  # (H, L, L)
+        # the H // G query heads of a group read the same keys: one product per group, no copied keys
+        scores = (q.reshape(B, G, -1, d) @ k.transpose(-1, -2)).view(B, H, L, L)
+        future = torch.ones(L, L, dtype=torch.bool, device=x.device).triu_(1)
+        p2 = scores.masked_fill_(future, float("-inf")).softmax(-1).square_().sum(0).double()  # (H, L, L)
         pos = torch.arange(L, device=x.device)
         lag = (pos[:, None] - pos[None]).clamp_min(0).flatten()  # masked entries are zero anyway
         prof = torch.zeros(H, L, dtype=torch.float64, device=x.device).index_add_(1, lag, p2.reshape(H, -1)).cpu()
