@@ -204,3 +204,34 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
         convert(src, tmp_path / "c", ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm",
                                                     stock_rope=True, **CALIB))
     assert not any(tmp_path.iterdir())
+
+
+# ---- --lowrank-method auto ------------------------------------------------------------------------
+def test_auto_lowrank_is_rrr_from_a_quarter_of_the_cache_and_bkv_pca_below():
+    from mlakit.convert.pipeline import AUTO_RRR_FROM, resolve_lowrank
+
+    shape = {"num_kv_heads": 2, "head_dim": 16}  # 64 cached values per token per layer
+    assert AUTO_RRR_FROM == 0.25
+    for budget, want in ((0.5, "rrr"), (0.25, "rrr"), (0.2, "bkv_pca"), (0.1, "bkv_pca")):
+        assert resolve_lowrank(ConvertOptions(kv_budget=budget), shape).lowrank_method == want
+    assert resolve_lowrank(ConvertOptions(kv_budget=0.1, lowrank_method="rrr"), shape).lowrank_method == "rrr"
+    uniform = dict(kv_budget=None, rope_dim=8)
+    assert resolve_lowrank(ConvertOptions(kv_lora_rank=8, **uniform), shape).lowrank_method == "rrr"  # 16 of 64
+    assert resolve_lowrank(ConvertOptions(kv_lora_rank=7, **uniform), shape).lowrank_method == "bkv_pca"
+
+
+@pytest.mark.parametrize("pipeline", ["in-memory", "streaming"])
+def test_auto_lowrank_builds_the_bkv_pca_conversion_below_a_quarter_and_says_so(tiny_sources, tmp_path, pipeline):
+    src = str(tiny_sources["llama_gqa"])
+    args = ["--kv-budget", "0.22", "--allocation", "uniform", "--calib", "random", "--calib-samples", "8",
+            "--calib-seq-len", "32", "--dtype", "float32", "--pipeline", pipeline, "-q"]
+    for name, extra in (("auto", []), ("bkv", ["--lowrank-method", "bkv_pca"])):
+        res = CliRunner().invoke(cli, ["convert", src, str(tmp_path / name), *args, *extra])
+        assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "auto" / "conversion.json").read_text())
+    assert report["settings"]["lowrank_method"] == "bkv_pca"
+    assert Recipe.load(tmp_path / "auto" / "recipe.yaml").method.lowrank == "bkv_pca"
+    from safetensors.torch import load_file
+
+    got, want = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "bkv" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)

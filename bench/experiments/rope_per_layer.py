@@ -9,7 +9,8 @@ For each budget, three conversions from one calibration:
   8 up to twice the default, whose predicted KL is least;
 - envelope: each layer's best-d_R curve over its total values, the damped fisher step from the
   uniform totals toward the KL optimum of those curves.
-Scored as in bench/quality_sweep.py (8192 tokens, window 512, stride 448).
+Scored as in bench/quality_sweep.py (8192 tokens, window 512, stride 448). The latent is RRR at
+every budget, as when this ran (before ``--lowrank-method auto``).
 """
 
 from __future__ import annotations
@@ -75,11 +76,11 @@ def main() -> None:
     n = source.config.num_hidden_layers
     ws = [read_attention(source, i, shape) for i in range(n)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
-    method = method_of(opts)
+    method = method_of(opts, shape)
     v_max = 2 * shape["num_kv_heads"] * shape["head_dim"]
     for frac in (float(b) for b in args.budgets.split(",")):
         budget = int(frac * n * v_max)
-        layers, plan = build_layers(ws, ms, shape, ConvertOptions(kv_budget=frac))
+        layers, plan = build_layers(ws, ms, shape, ConvertOptions(kv_budget=frac, lowrank_method="rrr"))
         d0, ranks = plan["rope_dim"], plan["ranks"]
         candidates = list(range(8, min(2 * d0, budget // n), 8))
         curves = {c: [kl_curve(w, m, method, c) for w, m in zip(ws, ms)] for c in candidates}

@@ -27,7 +27,7 @@ def main() -> None:
     source = open_source("default")
     shape = attention_shape(source.config)
     model = source.load_model(torch.float32)
-    opts = ConvertOptions()
+    opts = ConvertOptions(lowrank_method="rrr")  # as when it was run (the ranks do not depend on it)
     ids = calibration_ids(source, opts, model.config.vocab_size)
     per_seq = torch.tensor([
         [s.sensitivity for s in calibration.collect_stats(model, ids[i : i + 1], shape, attention_samples=0,
@@ -37,7 +37,7 @@ def main() -> None:
     stats = calibration.collect_stats(model, ids, shape, quiet=True)
     n = source.config.num_hidden_layers
     ws = [read_attention(source, i, shape) for i in range(n)]
-    method = method_of(opts)
+    method = method_of(opts, shape)
     per_layer_src = 2 * shape["num_kv_heads"] * shape["head_dim"]
     for frac in (0.3125, 0.125):
         d_r, rank_budget = budget_layout(n, shape["num_kv_heads"], shape["head_dim"], int(frac * n * per_layer_src))

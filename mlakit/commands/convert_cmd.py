@@ -41,8 +41,9 @@ _OVERRIDES = {
                    "when streaming or exporting to deepseek-v3 [default: auto].")
 @click.option("--rope-method", type=click.Choice(["scored", "transmla", "high", "uniform", "norm"]),
               help="How the rotary subspace is chosen [default: scored].")
-@click.option("--lowrank-method", type=click.Choice(["rrr", "bkv_pca", "svd"]),
-              help="How the latent is factorised [default: rrr].")
+@click.option("--lowrank-method", type=click.Choice(["auto", "rrr", "bkv_pca", "svd"]),
+              help="How the latent is factorised. auto: rrr when the cache keeps at least a quarter of the "
+                   "source's values, bkv_pca below (measured on three texts) [default: auto].")
 @click.option("--fold", type=int,
               help="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
                    "(fold more when fewer rotary components are kept) [default: 0].")

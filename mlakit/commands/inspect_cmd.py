@@ -43,7 +43,7 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
 def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     built, plan = build_layers(ws, ms, shape, opts, quiet=opts.quiet)
-    method = method_of(opts)
+    method = method_of(opts, shape)
     rows = [
         {
             "layer": i,

@@ -23,7 +23,7 @@ from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_
 
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
-    "budget_values", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity", "resolve_allocation",
+    "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity", "resolve_allocation", "resolve_lowrank",
     "resolve_dtype", "verify_token_ids",
 ]
 
@@ -44,7 +44,7 @@ class ConvertOptions:
     kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
     allocation: str = "auto"  # how a kv_budget is spread over layers: rank_plan.ALLOCATIONS
     rope_method: str = "scored"
-    lowrank_method: str = "rrr"
+    lowrank_method: str = "auto"
     fold: int = 0  # 0 = auto (see rope_select.auto_fold)
     mixing: str = "pca"
     stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
@@ -114,6 +114,28 @@ def resolve_allocation(opts: ConvertOptions, streaming: bool = False) -> Convert
     return replace(opts, allocation="uniform" if streaming else "fisher")
 
 
+# The closed-form low-rank step weighs key and value errors by a first-order model of the output
+# error. It wins at large budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small
+# ones on every text measured (bench/experiments/lowrank_domains.py: SmolLM2-135M, three texts,
+# RRR ahead at 0.5 and 0.3125 of the source cache, BKV-PCA ahead at 0.1875 and 0.125).
+AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
+
+
+def cached_share(opts: ConvertOptions, shape: dict) -> float:
+    """The converted cache as a share of the source's: the budget, or (rank + rope dims) / (2 G d)."""
+    if opts.kv_budget is not None:
+        return float(opts.kv_budget)
+    rank, rope_dim = check_ranks(opts, shape)
+    return (rank + rope_dim) / (2 * shape["num_kv_heads"] * shape["head_dim"])
+
+
+def resolve_lowrank(opts: ConvertOptions, shape: dict) -> ConvertOptions:
+    """OPTS with ``--lowrank-method auto`` made concrete (``AUTO_RRR_FROM``)."""
+    if opts.lowrank_method != "auto":
+        return opts
+    return replace(opts, lowrank_method="rrr" if cached_share(opts, shape) >= AUTO_RRR_FROM else "bkv_pca")
+
+
 def needs_sensitivity(opts: ConvertOptions) -> bool:
     """Whether the allocation of OPTS (in memory) reads each layer's loss sensitivity (a backward pass)."""
     return opts.kv_budget is not None and resolve_allocation(opts).allocation == "fisher"
@@ -151,8 +173,9 @@ def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
     return int(opts.kv_budget * n_layers * 2 * shape["num_kv_heads"] * shape["head_dim"])
 
 
-def method_of(opts: ConvertOptions) -> Method:
-    """The per-layer method of OPTS; a bad combination is a ConversionError."""
+def method_of(opts: ConvertOptions, shape: dict) -> Method:
+    """The per-layer method of OPTS for a model of SHAPE; a bad combination is a ConversionError."""
+    opts = resolve_lowrank(opts, shape)
     try:
         return Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing, opts.stock_rope)
     except ValueError as exc:
@@ -165,7 +188,7 @@ def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True, 
 
     Returns (layers, plan report)."""
     n_layers = len(ws)
-    method = method_of(opts)
+    method = method_of(opts, shape)
     opts = resolve_allocation(opts)
     if opts.kv_budget is not None:
         budget = budget_values(opts, shape, n_layers)
@@ -237,6 +260,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     phases = {"open": time.time() - start}
     shape = attention_shape(source.config)
     check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
+    opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
     dtype = resolve_dtype(opts.dtype, source.config)
     ws = [read_attention(source, i, shape) for i in range(source.config.num_hidden_layers)]
     ms = [None] * len(ws)

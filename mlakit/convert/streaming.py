@@ -53,6 +53,7 @@ from .pipeline import (
     needs_calibration,
     needs_sensitivity,
     resolve_allocation,
+    resolve_lowrank,
     resolve_dtype,
     verify_token_ids,
 )
@@ -117,7 +118,7 @@ class _StreamingConversion:
         self.n = n = cfg.num_hidden_layers
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
-        self.method = method_of(opts)
+        self.method = method_of(opts, shape)
         G, d = shape["num_kv_heads"], shape["head_dim"]
         self.planned = False
         self.plan_report: dict = {}
@@ -458,6 +459,7 @@ def convert_streaming(
             f"{src} is not a directory of *.safetensors files, so it cannot be read layer by "
             f"layer; use --pipeline in-memory (GGUF and pickle checkpoints load whole)"
         )
+    opts = resolve_lowrank(opts, attention_shape(source.config))  # the saved recipe names the method used
     conv = _StreamingConversion(source, opts, stream)
     work = WorkDir(work_dir_for(out_path))
     state = _open_work_dir(work, conv.fingerprint(), stream.resume)

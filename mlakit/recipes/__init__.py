@@ -28,7 +28,7 @@ class _Strict(BaseModel):
 
 class MethodSpec(_Strict):
     rope: Literal["scored", "transmla", "high", "uniform", "norm"] = "scored"
-    lowrank: Literal["rrr", "bkv_pca", "svd"] = "rrr"
+    lowrank: Literal["auto", "rrr", "bkv_pca", "svd"] = "auto"
     fold: int = Field(0, ge=0)  # 0 = auto
     mixing: Literal["pca", "none"] = "pca"
     stock_rope: bool = False  # rope the stock deepseek-v3 export can express
