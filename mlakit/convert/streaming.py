@@ -53,8 +53,8 @@ from .pipeline import (
     needs_calibration,
     needs_sensitivity,
     resolve_allocation,
-    resolve_lowrank,
     resolve_dtype,
+    resolve_lowrank,
     verify_token_ids,
 )
 from .rank_plan import budget_layout, log_error_curve, plan_ranks, uniform_ranks
