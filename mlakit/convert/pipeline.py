@@ -23,8 +23,8 @@ from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_
 
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
-    "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity", "resolve_allocation", "resolve_lowrank",
-    "resolve_dtype", "verify_token_ids",
+    "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity",
+    "resolve_allocation", "resolve_dtype", "resolve_lowrank", "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -114,10 +114,11 @@ def resolve_allocation(opts: ConvertOptions, streaming: bool = False) -> Convert
     return replace(opts, allocation="uniform" if streaming else "fisher")
 
 
-# The closed-form low-rank step weighs key and value errors by a first-order model of the output
-# error. It wins at large budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small
-# ones on every text measured (bench/experiments/lowrank_domains.py: SmolLM2-135M, three texts,
-# RRR ahead at 0.5 and 0.3125 of the source cache, BKV-PCA ahead at 0.1875 and 0.125).
+# RRR weighs key and value errors by a first-order model of the output error. It wins at large
+# budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones
+# (bench/experiments/lowrank_domains.py, SmolLM2-135M: on the two evaluation texts unlike the
+# calibration's, RRR is ahead in 4 of 4 cases at 0.5 and 0.3125 of the source cache, BKV-PCA in
+# 3 of 4 at 0.1875 and 0.125). A measured switch point on one model, not a derivation.
 AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
 
 
