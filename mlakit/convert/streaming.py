@@ -112,9 +112,10 @@ class _StreamingConversion:
     """Everything fixed before the first layer runs: settings, ranks, tensor layout."""
 
     def __init__(self, source, opts: ConvertOptions, stream: StreamOptions):
-        self.source, self.opts, self.stream = source, opts, stream
+        self.source, self.stream = source, stream
         cfg = source.config
         self.shape = shape = attention_shape(cfg)
+        self.opts = opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
         self.n = n = cfg.num_hidden_layers
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
@@ -459,8 +460,8 @@ def convert_streaming(
             f"{src} is not a directory of *.safetensors files, so it cannot be read layer by "
             f"layer; use --pipeline in-memory (GGUF and pickle checkpoints load whole)"
         )
-    opts = resolve_lowrank(opts, attention_shape(source.config))  # the saved recipe names the method used
     conv = _StreamingConversion(source, opts, stream)
+    opts = conv.opts
     work = WorkDir(work_dir_for(out_path))
     state = _open_work_dir(work, conv.fingerprint(), stream.resume)
     resumed_from = len(state["layers"])
