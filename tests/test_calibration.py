@@ -3,8 +3,10 @@ at the last attention input, and label sampling."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mlakit.convert import calibration
 from mlakit.convert.calibration import _sample_rows, collect_stats, layer_accumulator
 from mlakit.convert.families import attention_shape
 from mlakit.convert.source import open_source
@@ -53,9 +55,12 @@ def test_moments_match_a_float64_reference_and_the_forward_stops_after_the_last_
         assert float(((st.sigma - want).abs() / magnitude).max()) < 1e-5
 
 
-def test_lag_profile_matches_the_models_own_attention_probabilities(tiny_sources):
+@pytest.mark.parametrize("query_block", [64, 8, 7])  # one block; blocks of 8, 8, 4; a ragged split
+def test_lag_profile_matches_the_models_own_attention_probabilities(tiny_sources, monkeypatch, query_block):
     """lag_p2[h, k] = E over queries of sum over keys at lag k of p^2, from the probabilities the
-    source's eager attention computes (rotary, grouped KV heads, causal mask, scaling included)."""
+    source's eager attention computes (rotary, grouped KV heads, causal mask, scaling included),
+    whatever the query blocks the statistics are computed in."""
+    monkeypatch.setattr(calibration, "_QUERY_BLOCK", query_block)
     source = open_source(str(tiny_sources["llama_gqa"]))
     shape = attention_shape(source.config)
     model = source.load_model(torch.float32)

@@ -35,8 +35,10 @@ BATCH_SIZE = 8  # calibration sequences per forward pass
 ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
 SENSITIVITY_SAMPLES = 8  # sequences of the sensitivity backward pass (bench/experiments/sensitivity_samples.py)
 _SENSITIVITY_BATCH = 1  # sequences per backward pass (bounds the memory of the saved activations)
-_LOGIT_ROWS = 64  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
+_LOGIT_ROWS = 256  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
+_QUERY_BLOCK = 64  # queries per block of the attention statistics (a block skips the keys after it)
 _MOMENT_ROWS = 2048  # tokens per float32 product of the second moment (bounds its rounding error)
+_MOMENT_BLOCKS = 4  # column blocks of the second moment: only the upper triangle of blocks is multiplied
 
 
 @dataclass
@@ -63,7 +65,29 @@ class _Accumulator:
         self.lag_p2 = None
         self.queries = 0
         self.with_attention = True
+        self._seen = {}  # this batch's queries, keys and rotary table, as the attention module computed them
         self.grad_energy, self.grad_values = 0.0, 0
+
+    def attach(self) -> list:
+        """Register the hooks on the attention module; returns their handles (``.remove()`` each).
+        The second moment is taken from the module's input; the attention statistics from the
+        queries and keys its own projections compute (nothing is projected twice)."""
+        attn = self.attn
+        return [attn.register_forward_pre_hook(self, with_kwargs=True),
+                attn.q_proj.register_forward_hook(self._keep("q")),
+                attn.k_proj.register_forward_hook(self._keep("k")),
+                attn.register_forward_hook(self._after_attention)]
+
+    def _keep(self, name: str):
+        def hook(module, args, output):
+            if self.with_attention:
+                self._seen[name] = output.detach()
+        return hook
+
+    def _after_attention(self, module, args, output):
+        if self.with_attention:
+            seen, self._seen = self._seen, {}
+            self._attention_stats(seen["q"], seen["k"], seen["rotary"])
 
     def __call__(self, module, args, kwargs):
         x = kwargs.get("hidden_states", args[0] if args else None).detach()
@@ -71,32 +95,39 @@ class _Accumulator:
         flat = x.reshape(-1, D)
         if self.sigma is None:
             self.sigma = torch.zeros(D + 1, D + 1, dtype=torch.float64)
+        edges = [D * i // _MOMENT_BLOCKS for i in range(_MOMENT_BLOCKS + 1)]
         for rows in flat.split(_MOMENT_ROWS):  # float32 products of a few rows each, summed in float64
             rows = rows.float()
-            self.sigma[:D, :D] += (rows.T @ rows).cpu().double()
+            for a, b in zip(edges, edges[1:]):  # the upper triangle of blocks; result() mirrors it
+                self.sigma[a:b, a:D] += (rows[:, a:b].T @ rows[:, a:]).cpu().double()
             total = rows.double().sum(0).cpu()
             self.sigma[:D, D] += total
             self.sigma[D, :D] += total
         self.sigma[D, D] += flat.shape[0]
         self.tokens += flat.shape[0]
         if self.with_attention:
-            self._attention_stats(x, kwargs["position_embeddings"])
+            self._seen["rotary"] = kwargs["position_embeddings"]
 
     @torch.no_grad()
-    def _attention_stats(self, x, position_embeddings):
-        B, L, _ = x.shape
+    def _attention_stats(self, q, k, position_embeddings):
+        """Add the lag profile of one batch from its projected queries Q (B, L, H d) and keys K (B, L, G d)."""
+        B, L, _ = q.shape
         H, G, d = self.H, self.G, self.d
-        q = self.attn.q_proj(x).view(B, L, H, d).transpose(1, 2).float() * d**-0.5
-        k = self.attn.k_proj(x).view(B, L, G, d).transpose(1, 2).float()
+        q = q.view(B, L, H, d).transpose(1, 2).float()
+        k = k.view(B, L, G, d).transpose(1, 2).float()
         cos, sin = (t.float()[:, None] for t in position_embeddings)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        # the H // G query heads of a group read the same keys: one product per group, no copied keys
-        scores = (q.reshape(B, G, -1, d) @ k.transpose(-1, -2)).view(B, H, L, L)
-        future = torch.ones(L, L, dtype=torch.bool, device=x.device).triu_(1)
-        p2 = scores.masked_fill_(future, float("-inf")).softmax(-1).square_().sum(0).double()  # (H, L, L)
-        pos = torch.arange(L, device=x.device)
-        lag = (pos[:, None] - pos[None]).clamp_min(0).flatten()  # masked entries are zero anyway
-        prof = torch.zeros(H, L, dtype=torch.float64, device=x.device).index_add_(1, lag, p2.reshape(H, -1)).cpu()
+        q, k = _rotate(q, cos * d**-0.5, sin * d**-0.5), _rotate(k, cos, sin)
+        q = q.view(B, G, H // G, L, d)  # the H // G query heads of a group read the same keys
+        prof = torch.zeros(H, L, dtype=torch.float64, device=q.device)
+        pos = torch.arange(L, device=q.device)
+        for a in range(0, L, _QUERY_BLOCK):  # causal: queries a..b-1 read keys 0..b-1 only
+            b = min(a + _QUERY_BLOCK, L)
+            scores = (q[:, :, :, a:b].reshape(B, G, -1, d) @ k[:, :, :b].transpose(-1, -2)).view(B, H, b - a, b)
+            future = torch.ones(b - a, b, dtype=torch.bool, device=q.device).triu_(a + 1)
+            p2 = scores.masked_fill_(future, float("-inf")).softmax(-1).square_().sum(0)  # (H, b - a, b)
+            lag = (pos[a:b, None] - pos[None, :b]).clamp_min(0).flatten()  # masked entries are zero anyway
+            prof.index_add_(1, lag, p2.reshape(H, -1).double())
+        prof = prof.cpu()
         if self.lag_p2 is None or self.lag_p2.shape[1] < L:
             grown = torch.zeros(H, L, dtype=torch.float64)
             if self.lag_p2 is not None:
@@ -119,13 +150,16 @@ class _Accumulator:
         q = max(self.queries, 1)
         lag = self.lag_p2 if self.lag_p2 is not None else torch.zeros(self.H, 1, dtype=torch.float64)
         sens = self.grad_energy / self.grad_values if self.grad_values else None
-        return LayerStats(self.sigma / self.tokens, lag / q, self.inv_freq, self.tokens, sens)
+        D = self.sigma.shape[0] - 1
+        upper = self.sigma[:D, :D].triu()
+        sigma = self.sigma.clone()
+        sigma[:D, :D] = upper + upper.triu(1).T
+        return LayerStats(sigma / self.tokens, lag / q, self.inv_freq, self.tokens, sens)
 
 
 def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator:
-    """Statistics of one attention module ATTN; register it with
-    ``attn.register_forward_pre_hook(acc, with_kwargs=True)``, set ``acc.with_attention`` per batch,
-    and read ``acc.result()`` after the last batch."""
+    """Statistics of one attention module ATTN: register its hooks with ``acc.attach()``, set
+    ``acc.with_attention`` per batch, and read ``acc.result()`` after the last batch."""
     return _Accumulator(attn, inv_freq, shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
 
 
@@ -166,18 +200,21 @@ def _sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
 
 class _StatsComplete(Exception):
-    """Raised at the last layer's attention input: nothing after it feeds the statistics."""
+    """Raised in the last layer once nothing after it feeds the statistics."""
 
 
-def _stop_forward(module, args, kwargs):
+def _stop_forward(*_):
     raise _StatsComplete
 
 
-def _forward_to_last_attention(model, ids: torch.Tensor) -> None:
-    """The decoder forward over IDS as far as the last layer's attention input, after that layer's
-    accumulator (registered earlier, so it runs first); the rest of the last layer, the final norm
-    and the LM head are skipped."""
-    handle = model.model.layers[-1].self_attn.register_forward_pre_hook(_stop_forward, with_kwargs=True)
+def _forward_for_stats(model, ids: torch.Tensor, through_attention: bool) -> None:
+    """The decoder forward over IDS as far as the last layer's attention input, or its output when
+    THROUGH_ATTENTION (the batch measures attention), after that layer's accumulator hooks
+    (registered earlier, so they run first); the rest of the last layer, the final norm and the LM
+    head are skipped."""
+    attn = model.model.layers[-1].self_attn
+    register = attn.register_forward_hook if through_attention else attn.register_forward_pre_hook
+    handle = register(_stop_forward)
     try:
         model.model(input_ids=ids, use_cache=False)
     except _StatsComplete:
@@ -199,7 +236,7 @@ def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = B
     layers = model.model.layers
     inv_freq = model.model.rotary_emb.inv_freq.detach().cpu()
     accs = [layer_accumulator(layer.self_attn, inv_freq, shape) for layer in layers]
-    handles = [layer.self_attn.register_forward_pre_hook(acc, with_kwargs=True) for layer, acc in zip(layers, accs)]
+    handles = [h for acc in accs for h in acc.attach()]
     if sensitivity_samples:
         handles += [layer.self_attn.register_forward_hook(acc.probe_gradient) for layer, acc in zip(layers, accs)]
     generator = torch.Generator().manual_seed(seed)
@@ -209,12 +246,13 @@ def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = B
             chunk = batches[start : start + batch_size].to(device)
             step = _SENSITIVITY_BATCH if done < sensitivity_samples else chunk.shape[0]
             for part in chunk.split(step):
+                with_attention = done < attention_samples
                 for acc in accs:
-                    acc.with_attention = done < attention_samples
+                    acc.with_attention = with_attention
                 if done < sensitivity_samples:
                     _sensitivity_pass(model, part, generator)
                 else:
-                    _forward_to_last_attention(model, part)
+                    _forward_for_stats(model, part, with_attention)
                 done += part.shape[0]
     finally:
         for h in handles:

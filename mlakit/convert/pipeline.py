@@ -10,7 +10,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .assemble import check_shapes, copied_tensors, mla_config, mla_layer_tensors, read_attention
+from .assemble import (
+    check_attention_tensors,
+    check_shapes,
+    copied_tensors,
+    mla_config,
+    mla_layer_tensors,
+    read_attention,
+)
 from .calibration import SENSITIVITY_SAMPLES, collect_stats
 from .compress import Method, compress_layer
 from .families import attention_shape
@@ -263,11 +270,13 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
     opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
     dtype = resolve_dtype(opts.dtype, source.config)
-    ws = [read_attention(source, i, shape) for i in range(source.config.num_hidden_layers)]
-    ms = [None] * len(ws)
-    if needs_calibration(opts, shape):
-        ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
-        return_free_memory()  # the backward pass's activations
+    n_layers = source.config.num_hidden_layers
+    check_attention_tensors(source, n_layers, shape)  # fail before calibrating
+    stats = calibrate(source, shape, opts) if needs_calibration(opts, shape) else None
+    return_free_memory()  # the backward pass's activations
+    # the float64 attention weights are made after the calibration, whose backward pass sets the peak memory
+    ws = [read_attention(source, i, shape) for i in range(n_layers)]
+    ms = [layer_metrics(w, st) for w, st in zip(ws, stats)] if stats is not None else [None] * n_layers
     phases["calibrate"] = time.time() - start - sum(phases.values())
     layers, plan_report = build_layers(ws, ms, shape, opts, opts.quiet)
     phases["build"] = time.time() - start - sum(phases.values())

@@ -273,7 +273,7 @@ class _Runner:
         stats = None
         if self.n_calib:
             acc = layer_accumulator(layer.self_attn, runner.inv_freq, c.shape)
-            handle = layer.self_attn.register_forward_pre_hook(acc, with_kwargs=True)
+            handles = acc.attach()
             slot, last = i % 2, i == c.n - 1
             try:
                 with contextlib.nullcontext() if last else self.store.writer(1 - slot) as sink:
@@ -284,7 +284,8 @@ class _Runner:
                         if sink is not None:
                             sink.write(out)
             finally:
-                handle.remove()
+                for handle in handles:
+                    handle.remove()
             stats = acc.result()
         if self.verify:
             self.verify_src = runner.run(layer, self.verify_src)
