@@ -117,6 +117,29 @@ def test_corrupt_safetensors(tiny_sources, tmp_path, damage):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("pipeline_name", ["streaming", "in-memory"])
+@pytest.mark.parametrize("tensor", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_missing_tensor_is_reported_before_calibrating(tiny_sources, tmp_path, monkeypatch, pipeline_name, tensor):
+    from safetensors.torch import save_file
+
+    from mlakit.convert import pipeline, streaming
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_sources["llama_gqa"], src)
+    state = load_file(src / "model.safetensors")
+    del state[tensor]
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+
+    def calibrate(*args, **kwargs):
+        raise AssertionError("calibration ran before the missing tensor was reported")
+
+    monkeypatch.setattr(pipeline, "calibrate", calibrate)
+    monkeypatch.setattr(streaming, "calibration_ids", calibrate)
+    code, text = run(src, tmp_path / "out", "--kv-budget", "0.5", "--calib", "random", "--pipeline", pipeline_name)
+    assert code == 1 and f"{tensor} is missing" in text and "re-download" in text
+    assert not (tmp_path / "out").exists()
+
+
 def test_pickle_checkpoint_loads_with_weights_only(tiny_sources, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_sources["llama_gqa"], src)

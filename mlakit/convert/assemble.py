@@ -15,7 +15,7 @@ from .families import LAYER_PREFIX
 from .mla_layer import AttentionWeights, MLAWeights
 from .source import Source, SourceError
 
-__all__ = ["ATTN_PROJ", "check_attention_tensors", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
+__all__ = ["ATTN_PROJ", "check_source_tensors", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DROP_CONFIG_KEYS = (
@@ -33,18 +33,20 @@ def _augmented(source: Source, prefix: str, name: str, with_bias: bool) -> torch
     return torch.cat([weight, bias[:, None]], dim=1)
 
 
-def check_attention_tensors(source: Source, num_layers: int, shape: dict) -> None:
-    """Fail early when an attention projection ``read_attention`` will need is not in SOURCE."""
-    present = set(source.tensor_names())
-    for i in range(num_layers):
-        prefix = LAYER_PREFIX.format(i=i) + "self_attn."
-        names = [f"{prefix}{proj}.weight" for proj in ATTN_PROJ]
-        names += [f"{prefix}{proj}.bias" for proj in ATTN_PROJ[:3] if shape["qkv_bias"]]
-        names += [f"{prefix}o_proj.bias"] if shape["o_bias"] else []
-        missing = [n for n in names if n not in present]
-        if missing:
-            raise SourceError(f"{source.spec}: tensor {missing[0]} is missing from the checkpoint; "
-                              f"the checkpoint is incomplete, re-download or re-export it")
+def check_source_tensors(source: Source) -> None:
+    """Fail before any work when SOURCE lacks a tensor its architecture has (loading would fill it
+    with random values, and the conversion would fail only at the end)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        expected = set(AutoModelForCausalLM.from_config(source.config).state_dict())
+    if getattr(source.config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(source.tensor_names()))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise SourceError(f"{source.spec}: tensor {missing[0]} is missing from the checkpoint{more}; "
+                          f"the checkpoint is incomplete, re-download or re-export it")
 
 
 def read_attention(source: Source, layer: int, shape: dict) -> AttentionWeights:

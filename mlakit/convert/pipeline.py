@@ -11,8 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .assemble import (
-    check_attention_tensors,
     check_shapes,
+    check_source_tensors,
     copied_tensors,
     mla_config,
     mla_layer_tensors,
@@ -271,7 +271,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
     dtype = resolve_dtype(opts.dtype, source.config)
     n_layers = source.config.num_hidden_layers
-    check_attention_tensors(source, n_layers, shape)  # fail before calibrating
+    check_source_tensors(source)  # fail before calibrating
     stats = calibrate(source, shape, opts) if needs_calibration(opts, shape) else None
     return_free_memory()  # the backward pass's activations
     # the float64 attention weights are made after the calibration, whose backward pass sets the peak memory

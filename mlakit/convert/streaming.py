@@ -34,7 +34,14 @@ from types import SimpleNamespace
 import torch
 from tqdm.auto import tqdm
 
-from .assemble import check_shapes, mla_config, mla_layer_tensors, model_shapes, read_attention
+from .assemble import (
+    check_shapes,
+    check_source_tensors,
+    mla_config,
+    mla_layer_tensors,
+    model_shapes,
+    read_attention,
+)
 from .calibration import ATTENTION_SAMPLES, BATCH_SIZE, LayerStats, layer_accumulator
 from .compress import compress_layer
 from .families import LAYER_PREFIX, attention_shape
@@ -117,6 +124,7 @@ class _StreamingConversion:
         self.shape = shape = attention_shape(cfg)
         self.opts = opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
         self.n = n = cfg.num_hidden_layers
+        check_source_tensors(source)
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
         self.method = method_of(opts, shape)
