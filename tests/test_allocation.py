@@ -91,18 +91,21 @@ def test_fisher_allocation_uses_sensitivities_and_the_cache_matches_the_plan(tin
     assert config["kv_lora_rank"] == [lay["kv_lora_rank"] for lay in report["layers"]]
 
 
-def test_streaming_refuses_fisher_and_resolves_auto_to_uniform(tiny_sources, tmp_path):
+def test_streaming_runs_fisher_on_request_and_resolves_auto_to_uniform(tiny_sources, tmp_path):
     src = str(tiny_sources["llama_gqa"])
     args = ["convert", src, "--kv-budget", "0.4", "--calib", "random", "--calib-samples", "4",
-            "--calib-seq-len", "16", "--pipeline", "streaming", "-q"]
-    res = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "f"), *args[2:], "--allocation", "fisher"])
-    assert res.exit_code == 1 and "--allocation fisher" in res.output and "--pipeline in-memory" in res.output
-    assert not (tmp_path / "f").exists()
-    res = CliRunner().invoke(cli, [*args[:2], str(tmp_path / "a"), *args[2:]])
-    assert res.exit_code == 0, res.output
-    report = json.loads((tmp_path / "a" / "conversion.json").read_text())
-    assert report["settings"]["allocation"] == "uniform"
-    assert len({lay["kv_lora_rank"] for lay in report["layers"]}) == 1
+            "--calib-seq-len", "16", "-q"]
+    reports = {}
+    for name, extra in {"stream-fisher": ["--pipeline", "streaming", "--allocation", "fisher"],
+                        "memory-fisher": ["--pipeline", "in-memory", "--allocation", "fisher"],
+                        "stream-auto": ["--pipeline", "streaming"]}.items():
+        res = CliRunner().invoke(cli, [*args[:2], str(tmp_path / name), *args[2:], *extra])
+        assert res.exit_code == 0, res.output
+        reports[name] = json.loads((tmp_path / name / "conversion.json").read_text())
+    assert reports["stream-fisher"]["settings"]["allocation"] == "fisher"
+    assert reports["stream-fisher"]["plan"] == reports["memory-fisher"]["plan"]
+    assert reports["stream-auto"]["settings"]["allocation"] == "uniform"
+    assert len({lay["kv_lora_rank"] for lay in reports["stream-auto"]["layers"]}) == 1
 
 
 def test_deepseek_v3_format_resolves_auto_to_one_rank_for_every_layer(tiny_sources, tmp_path):

@@ -30,6 +30,7 @@ SETTINGS = {
     "full": {},
     "compressed": dict(kv_lora_rank=20, rope_dim=8),
     "planned": dict(kv_budget=0.4, allocation="planned"),
+    "fisher": dict(kv_budget=0.4, allocation="fisher"),
 }
 
 
@@ -143,7 +144,35 @@ class _Interrupt(Exception):
     pass
 
 
-@pytest.mark.parametrize("setting", ["compressed", "planned"])
+def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source, tmp_path, monkeypatch):
+    """The layer-by-layer backward sweep measures the loss sensitivities the in-memory pipeline's
+    single backward pass through the whole model measures (same sequences, same sampled labels)."""
+    from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
+    from mlakit.convert.families import attention_shape
+    from mlakit.convert.pipeline import calibration_ids
+    from mlakit.convert.source import open_source
+
+    opts = ConvertOptions(**SETTINGS["fisher"], **CALIB)
+    seen = {}
+    real = streaming._Runner.plan
+
+    def plan(self):
+        seen["sensitivity"] = list(self.state["sensitivity"])
+        real(self)
+
+    monkeypatch.setattr(streaming._Runner, "plan", plan)
+    convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
+    source = open_source(str(deep_source))
+    model = source.load_model(torch.float32)
+    ids = calibration_ids(source, opts, model.config.vocab_size)
+    want = [st.sensitivity for st in collect_stats(model, ids, attention_shape(source.config), quiet=True,
+                                                   sensitivity_samples=SENSITIVITY_SAMPLES, seed=opts.seed)]
+    assert len(seen["sensitivity"]) == len(want) == 5
+    assert_close("sensitivity", torch.tensor(seen["sensitivity"]), torch.tensor(want), atol=0, rtol=1e-5)
+    assert len(set(want)) == 5 and min(want) > 0
+
+
+@pytest.mark.parametrize("setting", ["compressed", "planned", "fisher"])
 def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_path, monkeypatch, setting):
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)
     stream = StreamOptions(max_shard_bytes=40_000, batch_size=5)  # shard boundaries inside layers

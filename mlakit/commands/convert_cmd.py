@@ -37,8 +37,9 @@ _OVERRIDES = {
 @click.option("--allocation", type=click.Choice(list(ALLOCATIONS)),
               help="With --kv-budget: the same rank in every layer (uniform), ranks that minimise the summed log "
                    "errors (planned), or ranks half-way from uniform toward those of least KL from the source, as "
-                   "predicted from each layer's measured loss sensitivity (fisher; in-memory pipeline only). auto: fisher in memory, uniform "
-                   "when streaming or exporting to deepseek-v3 [default: auto].")
+                   "predicted from each layer's measured loss sensitivity (fisher; when streaming, a layer-by-layer "
+                   "backward sweep). auto: fisher in memory, uniform when streaming or exporting to deepseek-v3 "
+                   "[default: auto].")
 @click.option("--rope-method", type=click.Choice(["scored", "transmla", "high", "uniform", "norm"]),
               help="How the rotary subspace is chosen [default: scored].")
 @click.option("--lowrank-method", type=click.Choice(["auto", "rrr", "bkv_pca", "svd"]),

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 __all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
-           "layer_accumulator"]
+           "layer_accumulator", "logit_gradient"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,10 @@ class _Accumulator:
         if out.requires_grad:
             out.register_hook(self._add_gradient)
 
+    def sensitivity(self) -> float | None:
+        """E ||d loss / d output||^2 / D per token from the gradients seen so far (None: none seen)."""
+        return self.grad_energy / self.grad_values if self.grad_values else None
+
     def _add_gradient(self, grad):
         self.grad_energy += float(grad.detach().double().square().sum())
         self.grad_values += grad.numel()  # tokens * D
@@ -149,12 +153,11 @@ class _Accumulator:
     def result(self) -> LayerStats:
         q = max(self.queries, 1)
         lag = self.lag_p2 if self.lag_p2 is not None else torch.zeros(self.H, 1, dtype=torch.float64)
-        sens = self.grad_energy / self.grad_values if self.grad_values else None
         D = self.sigma.shape[0] - 1
         upper = self.sigma[:D, :D].triu()
         sigma = self.sigma.clone()
         sigma[:D, :D] = upper + upper.triu(1).T
-        return LayerStats(sigma / self.tokens, lag / q, self.inv_freq, self.tokens, sens)
+        return LayerStats(sigma / self.tokens, lag / q, self.inv_freq, self.tokens, self.sensitivity())
 
 
 def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator:
@@ -166,30 +169,36 @@ def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator
 def _sensitivity_pass(model, chunk: torch.Tensor, generator: torch.Generator) -> None:
     """Forward and backward over CHUNK with labels sampled from the model's own prediction; the
     gradient probes of the accumulators pick up d loss / d attention output on the way back.
-    Only activations carry gradients (the weights are frozen for the pass). The LM head runs on
-    ``_LOGIT_ROWS`` positions at a time, so the logits never exist for the whole chunk at once, and
-    the gradient of the cross-entropy with respect to the logits, softmax(z) - onehot(label), is
-    formed in place of an autograd graph through the loss."""
+    Only activations carry gradients (the weights are frozen for the pass)."""
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
     handle = model.get_input_embeddings().register_forward_hook(lambda mod, args, out: out.requires_grad_())
-    head = model.get_output_embeddings()
     try:
         with torch.enable_grad():
             hidden = model.model(input_ids=chunk, use_cache=False).last_hidden_state  # (B, L, D)
-            top = hidden.detach().requires_grad_()
-            for rows in top.flatten(0, 1).split(_LOGIT_ROWS):
-                logits = head(rows)  # (rows, V)
-                with torch.no_grad():
-                    grad = logits.detach().float().softmax(-1)
-                    grad[torch.arange(grad.shape[0]), _sample_rows(grad, generator)] -= 1
-                logits.backward(grad.to(logits.dtype))
-            hidden.backward(top.grad)
+            hidden.backward(logit_gradient(model.get_output_embeddings(), hidden, generator))
     finally:
         handle.remove()
         for p, flag in frozen:
             p.requires_grad_(flag)
+
+
+def logit_gradient(head, hidden: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """d loss / d HIDDEN (B, L, D) of the cross-entropy of HEAD(hidden) against labels sampled from
+    its own prediction (one draw per position, in order, from GENERATOR). HEAD runs on
+    ``_LOGIT_ROWS`` positions at a time, so the logits never exist for all of HIDDEN at once, and the
+    gradient with respect to the logits, softmax(z) - onehot(label), is formed in place of an
+    autograd graph through the loss."""
+    top = hidden.detach().requires_grad_()
+    with torch.enable_grad():
+        for rows in top.flatten(0, 1).split(_LOGIT_ROWS):
+            logits = head(rows)  # (rows, V)
+            with torch.no_grad():
+                grad = logits.detach().float().softmax(-1)
+                grad[torch.arange(grad.shape[0]), _sample_rows(grad, generator)] -= 1
+            logits.backward(grad.to(logits.dtype))
+    return top.grad
 
 
 def _sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

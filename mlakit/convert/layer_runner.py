@@ -72,16 +72,26 @@ class SourceLayers:
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """LAYER applied to HIDDEN (B, L, D) float32 on the layer's device."""
+        return self.forward(layer, hidden)
+
+    def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``run`` in the caller's grad mode (the sensitivity sweep backpropagates through it)."""
         mask, position_embeddings = self.inputs(hidden.shape[0], hidden.shape[1])
         return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, use_cache=False)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, tensors: dict[str, torch.Tensor], head: str) -> torch.Tensor:
         """Final norm (weights ``model.norm.*`` in TENSORS) and the LM head TENSORS[HEAD], float32 on CPU."""
+        return self.head(tensors, head)(hidden).cpu()
+
+    def head(self, tensors: dict[str, torch.Tensor], head: str):
+        """hidden -> logits: the final norm (``model.norm.*`` in TENSORS) and the LM head TENSORS[HEAD],
+        float32 on the layers' device, weights frozen."""
         with torch.device("meta"):
             norm = type(self.skeleton.model.norm)(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm = _attach(norm, tensors, "model.norm.", self.device)
-        return nn.functional.linear(norm(hidden), tensors[head].to(self.device, torch.float32)).cpu()
+        norm = _attach(norm, tensors, "model.norm.", self.device).requires_grad_(False)
+        weight = tensors[head].to(self.device, torch.float32)
+        return lambda hidden: nn.functional.linear(norm(hidden), weight)
 
 
 class MLALayers:

@@ -40,7 +40,7 @@ from .rope_select import rope_error
 
 __all__ = [
     "ALLOCATIONS", "FISHER_STEP", "ROPE_SHARE", "allocate_ranks", "budget_layout", "budget_rope_dim", "damped_ranks",
-    "error_curve", "kl_curve", "log_error_curve", "plan_budget", "plan_ranks", "spend_leftovers", "uniform_ranks",
+    "error_curve", "kl_curve", "log_curve", "log_error_curve", "plan_budget", "plan_ranks", "ranks_from_curves", "spend_leftovers", "uniform_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,12 @@ def error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: 
 
 def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
     """log of ``error_curve``: the planner's scale-free per-layer objective."""
-    total = error_curve(w, m, method, rope_dim)
-    return torch.log(total.clamp_min(total[0] * 1e-15 + 1e-300))
+    return log_curve(error_curve(w, m, method, rope_dim))
+
+
+def log_curve(error: torch.Tensor) -> torch.Tensor:
+    """log of an ``error_curve`` (floored far below its value at rank 0)."""
+    return torch.log(error.clamp_min(error[0] * 1e-15 + 1e-300))
 
 
 def kl_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
@@ -158,11 +162,20 @@ def allocate_ranks(ws: list[AttentionWeights], ms: list[LayerMetrics], method: M
         return uniform
     if allocation not in ("planned", "fisher"):
         raise ValueError(f"allocation {allocation!r} is not one of uniform, planned, fisher")
-    curve = log_error_curve if allocation == "planned" else kl_curve
-    curves = [curve(w, m, method, d_r) for w, m in progress(list(zip(ws, ms)), f"planning ranks ({allocation})")]
+    errors = [error_curve(w, m, method, d_r) for w, m in progress(list(zip(ws, ms)), f"planning ranks ({allocation})")]
+    return ranks_from_curves(errors, [m.sensitivity for m in ms], allocation, uniform, rank_budget, fisher_step)
+
+
+def ranks_from_curves(errors: list[torch.Tensor], sensitivities: list[float | None], allocation: str,
+                      uniform: list[int], rank_budget: int, fisher_step: float = FISHER_STEP) -> list[int]:
+    """``planned`` or ``fisher`` ranks from each layer's ``error_curve`` (and, for fisher, its loss
+    sensitivity: the predicted KL is ``kl_curve``'s). Both pipelines plan through this."""
     if allocation == "planned":
-        return plan_ranks(curves, rank_budget)
-    return damped_ranks(curves, uniform, rank_budget, fisher_step)
+        return plan_ranks([log_curve(e) for e in errors], rank_budget)
+    if any(s is None for s in sensitivities):
+        raise ValueError("the Fisher allocation needs each layer's loss sensitivity; calibrate with "
+                         "sensitivity_samples > 0")
+    return damped_ranks([0.5 * s * e for e, s in zip(errors, sensitivities)], uniform, rank_budget, fisher_step)
 
 
 def damped_ranks(curves: list[torch.Tensor], uniform: list[int], rank_budget: int, step: float) -> list[int]:

@@ -9,10 +9,15 @@ and drop everything. The layer's output hidden states (on disk, float32) feed th
 exactly as in the full model. Only the embedding lookup, one layer and the float64 math of one
 layer are ever resident.
 
-Planned allocation (``--allocation planned``) needs every layer's error curve before any rank
-is chosen: a first pass computes each layer's statistics and curve and spills the statistics
-to the work directory (one (D+1)^2 float64 matrix per layer on disk, never all in RAM); ranks
-are planned; a second pass converts each layer from its spilled statistics.
+Planned and fisher allocation (``--allocation planned|fisher``) need every layer's error curve
+before any rank is chosen: a first pass computes each layer's statistics and curve and spills the
+statistics to the work directory (one (D+1)^2 float64 matrix per layer on disk, never all in RAM);
+ranks are planned; a second pass converts each layer from its spilled statistics. Fisher
+allocation also needs each layer's loss sensitivity, which the in-memory pipeline takes from one
+backward pass through the whole model: here the first pass also keeps every layer's input for
+the first ``SENSITIVITY_SAMPLES`` calibration sequences (on disk), and a backward sweep from the
+last layer to the first recomputes one layer at a time from its kept input and carries the
+gradient down, with the same sampled labels and the same gradient probes.
 
 Verification is layer-wise too: 32 fixed tokens (the in-memory pipeline's) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -42,7 +47,14 @@ from .assemble import (
     model_shapes,
     read_attention,
 )
-from .calibration import ATTENTION_SAMPLES, BATCH_SIZE, LayerStats, layer_accumulator
+from .calibration import (
+    ATTENTION_SAMPLES,
+    BATCH_SIZE,
+    SENSITIVITY_SAMPLES,
+    LayerStats,
+    layer_accumulator,
+    logit_gradient,
+)
 from .compress import compress_layer
 from .families import LAYER_PREFIX, attention_shape
 from .layer_metrics import layer_metrics
@@ -58,13 +70,12 @@ from .pipeline import (
     effective_recipe,
     method_of,
     needs_calibration,
-    needs_sensitivity,
     resolve_allocation,
     resolve_dtype,
     resolve_lowrank,
     verify_token_ids,
 )
-from .rank_plan import budget_layout, log_error_curve, plan_ranks, uniform_ranks
+from .rank_plan import budget_layout, error_curve, ranks_from_curves, uniform_ranks
 from .shard_stream import Cursor, ShardLayout, ShardStreamWriter, read_header
 from .source import open_source
 from .stream_memory import choose_batch_size
@@ -82,7 +93,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: spilled statistics hold the error curve itself, not its log
 
 
 @dataclass
@@ -129,7 +140,7 @@ class _StreamingConversion:
         self.device = opts.device
         self.method = method_of(opts, shape)
         G, d = shape["num_kv_heads"], shape["head_dim"]
-        self.planned = False
+        self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}
         if opts.kv_budget is not None:
             budget = budget_values(opts, shape, n)
@@ -138,14 +149,9 @@ class _StreamingConversion:
                 self.rope_dim, self.rank_budget = budget_layout(n, G, d, budget, fixed_rope, opts.stock_rope)
             except ValueError as exc:
                 raise ConversionError(str(exc)) from exc
-            if needs_sensitivity(opts):
-                raise ConversionError(
-                    f"--allocation {opts.allocation} measures each layer's loss sensitivity with a backward pass "
-                    f"through the whole model, which the streaming pipeline does not hold; use --pipeline "
-                    f"in-memory, or --allocation uniform, planned or auto (uniform when streaming)"
-                )
-            self.planned = opts.allocation == "planned"
-            self.ranks = None if self.planned else uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
+            self.uniform = uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
+            self.two_pass = opts.allocation in ("planned", "fisher")
+            self.ranks = None if self.two_pass else self.uniform
             self.plan_report = {"allocation": opts.allocation, "rope_dim": self.rope_dim,
                                 "budget_values_per_token": budget}
         else:
@@ -234,6 +240,7 @@ class _Runner:
         src, opts = conv.source, conv.opts
         self.src_layers = SourceLayers(src.config, conv.shape["window"], conv.device)
         self.n_calib = 0 if conv.calib_ids is None else conv.calib_ids.shape[0]
+        self.n_sensitivity = min(SENSITIVITY_SAMPLES, self.n_calib)  # as pipeline.calibrate
         if self.n_calib:
             self.store = HiddenStore(work.path, self.n_calib, conv.calib_ids.shape[1], src.config.hidden_size)
         self.verify = opts.verify
@@ -334,15 +341,19 @@ class _Runner:
         )
 
     def statistics_pass(self) -> None:
-        """Planned allocation, pass 1: every layer's statistics (spilled) and error curve."""
+        """Planned and fisher allocation, pass 1: every layer's statistics (spilled) and error curve,
+        and for fisher the inputs of the sensitivity sequences."""
         c, st = self.c, self.state
         with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
             for i in range(st["stats_done"], c.n):
                 tensors = self._read_layer(i)
+                if c.opts.allocation == "fisher":
+                    kept = self.store.read(i % 2, 0, self.n_sensitivity)
+                    self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
                 stats = self._source_layer(i, tensors)
                 w, dev_stats = _on(c.device, read_attention(_Tensors(tensors), i, c.shape), stats)
                 with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
-                    curve = log_error_curve(w, layer_metrics(w, dev_stats), c.method, c.rope_dim).cpu()
+                    error = error_curve(w, layer_metrics(w, dev_stats), c.method, c.rope_dim).cpu()
                 self.work.save_tensors(
                     f"stats-{i:05d}.pt",
                     {
@@ -350,16 +361,53 @@ class _Runner:
                         "lag_p2": stats.lag_p2,
                         "inv_freq": stats.inv_freq,
                         "tokens": torch.tensor(stats.tokens),
-                        "curve": curve,
+                        "error": error,
                     },
                 )
-                del tensors, stats, w, dev_stats
+                del tensors, stats, w, dev_stats, error
                 st["stats_done"] = i + 1
                 self._commit(None)
                 bar.update()
-        curves = [self.work.load_tensors(f"stats-{i:05d}.pt")["curve"] for i in range(c.n)]
+
+    def sensitivity_sweep(self) -> None:
+        """Fisher allocation: each layer's loss sensitivity, from the last layer down. Each layer is
+        rebuilt from its tensors and run with gradients on its kept input (one sequence at a time);
+        the last layer's output goes through the final norm and the LM head with labels sampled
+        from the source's own prediction, as ``calibration.collect_stats`` draws them."""
+        c, runner = self.c, self.src_layers
+        norm_head = {"model.norm.weight": c.source.tensor("model.norm.weight"), "head": c.source.tensor(c.head_name)}
+        head = runner.head(norm_head, "head")
+        generator = torch.Generator().manual_seed(c.opts.seed)
+        sensitivity, grads = [None] * c.n, None
+        with self._progress("loss sensitivities", 0) as bar:
+            for i in reversed(range(c.n)):
+                layer = runner.layer(i, self._read_layer(i)).requires_grad_(False)
+                probe = layer_accumulator(layer.self_attn, runner.inv_freq, c.shape)
+                handle = layer.self_attn.register_forward_hook(probe.probe_gradient)
+                try:
+                    kept = self.work.load_tensors(f"sens-{i:05d}.pt")["hidden"].to(c.device)
+                    below = []
+                    for s in range(kept.shape[0]):
+                        x = kept[s : s + 1].requires_grad_()
+                        with torch.enable_grad():
+                            out = runner.forward(layer, x)
+                            out.backward(logit_gradient(head, out, generator) if grads is None else grads[s])
+                        below.append(x.grad)
+                finally:
+                    handle.remove()
+                grads, sensitivity[i] = below, probe.sensitivity()
+                del layer, kept
+                bar.update()
+        self.state["sensitivity"] = sensitivity
+        self._commit(None)
+
+    def plan(self) -> None:
+        """Planned and fisher allocation: the ranks, from the spilled error curves."""
+        c, st = self.c, self.state
+        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")["error"] for i in range(c.n)]
         try:
-            st["ranks"] = plan_ranks(curves, c.rank_budget)
+            st["ranks"] = ranks_from_curves(errors, st.get("sensitivity", [None] * c.n), c.opts.allocation,
+                                            c.uniform, c.rank_budget)
         except ValueError as exc:
             raise ConversionError(str(exc)) from exc
         self._commit(None)
@@ -378,7 +426,7 @@ class _Runner:
                 for i in range(len(st["layers"]), c.n):
                     tick = time.time()
                     tensors = self._read_layer(i)
-                    if c.planned:
+                    if c.two_pass:
                         spilled = self.work.load_tensors(f"stats-{i:05d}.pt")
                         stats = LayerStats(
                             spilled["sigma"], spilled["lag_p2"], spilled["inv_freq"], int(spilled["tokens"])
@@ -478,8 +526,11 @@ def convert_streaming(
         state.setdefault("ranks", conv.ranks)
     try:
         runner = _Runner(conv, work, state)
-        if conv.planned and "ranks" not in state:
+        if conv.two_pass and "ranks" not in state:
             runner.statistics_pass()
+            if opts.allocation == "fisher" and "sensitivity" not in state:
+                runner.sensitivity_sweep()
+            runner.plan()
         runner.convert_pass()
         verify = runner.verify_report() if opts.verify else None
     except BaseException:

@@ -20,7 +20,7 @@ import torch
 
 __all__ = ["HiddenStore", "WorkDir", "work_dir_for"]
 
-_RESUME_PREFIXES = ("state.json", "hidden-", "verify.pt", "stats-")
+_RESUME_PREFIXES = ("state.json", "hidden-", "verify.pt", "stats-", "sens-")
 
 
 def work_dir_for(out: Path) -> Path:
