@@ -367,3 +367,30 @@ def test_pickle_checkpoints_load_in_memory(tmp_path):
         convert_streaming(str(tmp_path / "src"), tmp_path / "out", ConvertOptions(quiet=True))
     code, text = run_cli(tmp_path / "src", tmp_path / "out", "--dtype", "float32")
     assert code == 0, text
+
+
+def test_max_memory_counts_the_fisher_sweep():
+    """The fisher backward sweep holds the LM head in float32: with a Llama-3-8B shape (128K-token
+    vocabulary, bf16 checkpoint) that is 3 GiB more than a calibration step, so a --max-memory
+    that fits the step but not the sweep is refused up front, with the fix named."""
+    from mlakit.convert.calibration import LOGIT_ROWS
+    from mlakit.convert.families import attention_shape
+    from mlakit.convert.stream_memory import (
+        choose_batch_size,
+        current_rss,
+        estimate_step_bytes,
+        estimate_sweep_bytes,
+    )
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, torch_dtype="bfloat16",
+                      architectures=["LlamaForCausalLM"])
+    shape = attention_shape(cfg)
+    sweep = estimate_sweep_bytes(cfg, shape, 256, 8, LOGIT_ROWS)
+    assert sweep["head"] == 128256 * 4096 * 6
+    step = estimate_step_bytes(cfg, shape, 256, 8)["step_peak"]
+    limit = current_rss() + max(step, sweep["sweep_peak"] - 2**30)  # the step fits, the sweep does not
+    assert choose_batch_size(cfg, shape, 256, 8, limit) == 8
+    with pytest.raises(ValueError, match="--allocation fisher backward sweep needs") as err:
+        choose_batch_size(cfg, shape, 256, 8, limit, sweep=sweep)
+    assert "--allocation uniform or planned" in str(err.value)

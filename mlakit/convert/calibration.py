@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
+__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LOGIT_ROWS", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
            "layer_accumulator", "logit_gradient"]
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ BATCH_SIZE = 8  # calibration sequences per forward pass
 ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
 SENSITIVITY_SAMPLES = 8  # sequences of the sensitivity backward pass (bench/experiments/sensitivity_samples.py)
 _SENSITIVITY_BATCH = 1  # sequences per backward pass (bounds the memory of the saved activations)
-_LOGIT_ROWS = 256  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
+LOGIT_ROWS = 256  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
 _QUERY_BLOCK = 64  # queries per block of the attention statistics (a block skips the keys after it)
 _MOMENT_ROWS = 2048  # tokens per float32 product of the second moment (bounds its rounding error)
 _MOMENT_BLOCKS = 4  # column blocks of the second moment: only the upper triangle of blocks is multiplied
@@ -187,12 +187,12 @@ def _sensitivity_pass(model, chunk: torch.Tensor, generator: torch.Generator) ->
 def logit_gradient(head, hidden: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """d loss / d HIDDEN (B, L, D) of the cross-entropy of HEAD(hidden) against labels sampled from
     its own prediction (one draw per position, in order, from GENERATOR). HEAD runs on
-    ``_LOGIT_ROWS`` positions at a time, so the logits never exist for all of HIDDEN at once, and the
+    ``LOGIT_ROWS`` positions at a time, so the logits never exist for all of HIDDEN at once, and the
     gradient with respect to the logits, softmax(z) - onehot(label), is formed in place of an
     autograd graph through the loss."""
     top = hidden.detach().requires_grad_()
     with torch.enable_grad():
-        for rows in top.flatten(0, 1).split(_LOGIT_ROWS):
+        for rows in top.flatten(0, 1).split(LOGIT_ROWS):
             logits = head(rows)  # (rows, V)
             with torch.no_grad():
                 grad = logits.detach().float().softmax(-1)

@@ -10,6 +10,10 @@ of the process's resident memory when the conversion starts:
   the low-rank step with its eigendecomposition, the bias-augmented q/k/v maps, the joint
   key/value map W_y and its products, and the output metric's blocks (``low_rank``);
 - the converted layer's output tensors.
+With ``--allocation fisher`` the backward sweep (``streaming``) holds, apart from one layer: the
+LM head as read and in float32, one chunk of logits with its softmax gradient and float64 CDF,
+the kept inputs of the sensitivity sequences with their gradients, and one sequence's
+activations saved for the backward pass (``estimate_sweep_bytes``).
 It is an estimate for choosing a batch size and refusing hopeless settings early; the bench
 (bench/scale_bench.py) reports it beside the measured peak.
 """
@@ -23,7 +27,7 @@ import os
 
 import torch
 
-__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes", "return_free_memory"]
+__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes", "estimate_sweep_bytes", "return_free_memory"]
 
 _F32, _F64 = 4, 8
 
@@ -84,13 +88,43 @@ def estimate_step_bytes(config, shape: dict, seq_len: int, batch: int, device: s
     return parts
 
 
+def estimate_sweep_bytes(config, shape: dict, seq_len: int, sequences: int, logit_rows: int,
+                         device: str = "cpu") -> dict:
+    """Bytes held by the fisher backward sweep at its peak (the last layer, with the LM head), by part."""
+    D, V = shape["hidden_size"], config.vocab_size
+    one = estimate_step_bytes(config, shape, seq_len, 1, device)
+    rows = min(logit_rows, seq_len)
+    parts = {
+        "head": V * D * (_dtype_bytes(config) + _F32),
+        "logit_chunk": rows * V * (2 * _F32 + _F64),
+        "kept_inputs": 3 * sequences * seq_len * D * _F32,  # inputs, their gradients, the gradients from above
+        "layer": one["layer_tensors"] + one["forward_module"] + 2 * one["forward_activations"],
+    }
+    if device != "cpu":
+        parts["logit_chunk"] = parts["kept_inputs"] = 0
+        parts["head"] = V * D * _dtype_bytes(config)
+        parts["layer"] = one["layer_tensors"]
+    parts["sweep_peak"] = sum(parts.values())
+    return parts
+
+
 def choose_batch_size(
-    config, shape: dict, seq_len: int, batch_max: int, max_memory: int | None, device: str = "cpu"
+    config, shape: dict, seq_len: int, batch_max: int, max_memory: int | None, device: str = "cpu",
+    sweep: dict | None = None,
 ) -> int:
-    """The largest calibration batch (<= BATCH_MAX sequences) whose estimated peak fits MAX_MEMORY bytes."""
+    """The largest calibration batch (<= BATCH_MAX sequences) whose estimated peak fits MAX_MEMORY bytes.
+    SWEEP: ``estimate_sweep_bytes`` of a fisher backward sweep, which must fit too."""
     if max_memory is None:
         return batch_max
     base = current_rss()
+    if sweep is not None and base + sweep["sweep_peak"] > max_memory:
+        need = base + sweep["sweep_peak"]
+        raise ValueError(
+            f"--max-memory {max_memory / 2**30:.2f} GiB is below the estimated {need / 2**30:.2f} GiB the "
+            f"--allocation fisher backward sweep needs (process {base / 2**30:.2f} GiB + the LM head in float32 "
+            f"{sweep['head'] / 2**30:.2f} GiB + one layer and its logits); raise --max-memory, use --allocation "
+            f"uniform or planned, or use --device cuda"
+        )
     for batch in range(batch_max, 0, -1):
         if base + estimate_step_bytes(config, shape, seq_len, batch, device)["step_peak"] <= max_memory:
             return batch

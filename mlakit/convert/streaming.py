@@ -50,6 +50,7 @@ from .assemble import (
 from .calibration import (
     ATTENTION_SAMPLES,
     BATCH_SIZE,
+    LOGIT_ROWS,
     SENSITIVITY_SAMPLES,
     LayerStats,
     layer_accumulator,
@@ -78,7 +79,7 @@ from .pipeline import (
 from .rank_plan import budget_layout, error_curve, ranks_from_curves, uniform_ranks
 from .shard_stream import Cursor, ShardLayout, ShardStreamWriter, read_header
 from .source import open_source
-from .stream_memory import choose_batch_size
+from .stream_memory import choose_batch_size, estimate_sweep_bytes
 from .work_dir import HiddenStore, WorkDir, work_dir_for
 from .writer import AUTO_MAP, check_output, publish, write_json, write_modeling_code
 
@@ -161,8 +162,12 @@ class _StreamingConversion:
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
         self.batch_size = stream.batch_size
         if self.calibrated:
+            sweep = None
+            if opts.kv_budget is not None and opts.allocation == "fisher":
+                sweep = estimate_sweep_bytes(cfg, shape, opts.calib_seq_len, min(SENSITIVITY_SAMPLES, opts.calib_samples),
+                                             LOGIT_ROWS, opts.device)
             self.batch_size = choose_batch_size(
-                cfg, shape, opts.calib_seq_len, stream.batch_size, stream.max_memory, opts.device
+                cfg, shape, opts.calib_seq_len, stream.batch_size, stream.max_memory, opts.device, sweep
             )
         names = source.tensor_names()
         self.layer_names = [[m for m in names if m.startswith(LAYER_PREFIX.format(i=i))] for i in range(n)]
