@@ -31,7 +31,7 @@ from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_
 __all__ = [
     "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
     "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity",
-    "resolve_allocation", "resolve_dtype", "resolve_lowrank", "verify_token_ids",
+    "resolve_allocation", "sensitivity_sequences", "resolve_dtype", "resolve_lowrank", "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,16 @@ def needs_sensitivity(opts: ConvertOptions) -> bool:
     return opts.kv_budget is not None and resolve_allocation(opts).allocation == "fisher"
 
 
+def sensitivity_sequences(opts: ConvertOptions, n_calib: int) -> int:
+    """How many of N_CALIB calibration sequences the loss-sensitivity backward pass uses (0: none)."""
+    return min(SENSITIVITY_SAMPLES, n_calib) if needs_sensitivity(opts) else 0
+
+
 def calibrate(source: Source, shape: dict, opts: ConvertOptions):
     """Per-layer statistics from the calibration text."""
     model = source.load_model(torch.float32, opts.device)
     ids = calibration_ids(source, opts, model.config.vocab_size)
-    sens = min(SENSITIVITY_SAMPLES, ids.shape[0]) if needs_sensitivity(opts) else 0
-    return collect_stats(model, ids, shape, sensitivity_samples=sens, device=opts.device, quiet=opts.quiet,
+    return collect_stats(model, ids, shape, sensitivity_samples=sensitivity_sequences(opts, ids.shape[0]), device=opts.device, quiet=opts.quiet,
                          seed=opts.seed)
 
 
@@ -272,8 +276,10 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     dtype = resolve_dtype(opts.dtype, source.config)
     n_layers = source.config.num_hidden_layers
     check_source_tensors(source)  # fail before calibrating
-    stats = calibrate(source, shape, opts) if needs_calibration(opts, shape) else None
-    return_free_memory()  # the backward pass's activations
+    stats = None
+    if needs_calibration(opts, shape):
+        stats = calibrate(source, shape, opts)
+        return_free_memory()  # the backward pass's activations
     # the float64 attention weights are made after the calibration, whose backward pass sets the peak memory
     ws = [read_attention(source, i, shape) for i in range(n_layers)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, stats)] if stats is not None else [None] * n_layers

@@ -121,7 +121,7 @@ def choose_batch_size(
         need = base + sweep["sweep_peak"]
         raise ValueError(
             f"--max-memory {max_memory / 2**30:.2f} GiB is below the estimated {need / 2**30:.2f} GiB the "
-            f"--allocation fisher backward sweep needs (process {base / 2**30:.2f} GiB + the LM head in float32 "
+            f"--allocation fisher backward sweep needs (process {base / 2**30:.2f} GiB + the LM head "
             f"{sweep['head'] / 2**30:.2f} GiB + one layer and its logits); raise --max-memory, use --allocation "
             f"uniform or planned, or use --device cuda"
         )

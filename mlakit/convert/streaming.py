@@ -51,7 +51,6 @@ from .calibration import (
     ATTENTION_SAMPLES,
     BATCH_SIZE,
     LOGIT_ROWS,
-    SENSITIVITY_SAMPLES,
     LayerStats,
     layer_accumulator,
     logit_gradient,
@@ -74,6 +73,7 @@ from .pipeline import (
     resolve_allocation,
     resolve_dtype,
     resolve_lowrank,
+    sensitivity_sequences,
     verify_token_ids,
 )
 from .rank_plan import budget_layout, error_curve, ranks_from_curves, uniform_ranks
@@ -160,12 +160,13 @@ class _StreamingConversion:
             self.ranks = [rank] * n
         self.calibrated = needs_calibration(opts, shape)
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
+        # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)
+        self.n_sensitivity = sensitivity_sequences(opts, self.calib_ids.shape[0]) if self.calibrated else 0
         self.batch_size = stream.batch_size
         if self.calibrated:
             sweep = None
-            if opts.kv_budget is not None and opts.allocation == "fisher":
-                sweep = estimate_sweep_bytes(cfg, shape, opts.calib_seq_len, min(SENSITIVITY_SAMPLES, opts.calib_samples),
-                                             LOGIT_ROWS, opts.device)
+            if self.n_sensitivity:
+                sweep = estimate_sweep_bytes(cfg, shape, opts.calib_seq_len, self.n_sensitivity, LOGIT_ROWS, opts.device)
             self.batch_size = choose_batch_size(
                 cfg, shape, opts.calib_seq_len, stream.batch_size, stream.max_memory, opts.device, sweep
             )
@@ -183,6 +184,10 @@ class _StreamingConversion:
         self.head_name = (
             "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in names else "lm_head.weight"
         )
+
+    def norm_and_head(self) -> dict[str, torch.Tensor]:
+        """The source's final norm weight and LM head (key ``head``), as ``SourceLayers.head`` reads them."""
+        return {"model.norm.weight": self.source.tensor("model.norm.weight"), "head": self.source.tensor(self.head_name)}
 
     def fingerprint(self) -> dict:
         """What must match for a work directory to be resumed."""
@@ -245,7 +250,6 @@ class _Runner:
         src, opts = conv.source, conv.opts
         self.src_layers = SourceLayers(src.config, conv.shape["window"], conv.device)
         self.n_calib = 0 if conv.calib_ids is None else conv.calib_ids.shape[0]
-        self.n_sensitivity = min(SENSITIVITY_SAMPLES, self.n_calib)  # as pipeline.calibrate
         if self.n_calib:
             self.store = HiddenStore(work.path, self.n_calib, conv.calib_ids.shape[1], src.config.hidden_size)
         self.verify = opts.verify
@@ -352,8 +356,8 @@ class _Runner:
         with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
             for i in range(st["stats_done"], c.n):
                 tensors = self._read_layer(i)
-                if c.opts.allocation == "fisher":
-                    kept = self.store.read(i % 2, 0, self.n_sensitivity)
+                if c.n_sensitivity:
+                    kept = self.store.read(i % 2, 0, c.n_sensitivity)
                     self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
                 stats = self._source_layer(i, tensors)
                 w, dev_stats = _on(c.device, read_attention(_Tensors(tensors), i, c.shape), stats)
@@ -380,8 +384,7 @@ class _Runner:
         the last layer's output goes through the final norm and the LM head with labels sampled
         from the source's own prediction, as ``calibration.collect_stats`` draws them."""
         c, runner = self.c, self.src_layers
-        norm_head = {"model.norm.weight": c.source.tensor("model.norm.weight"), "head": c.source.tensor(c.head_name)}
-        head = runner.head(norm_head, "head")
+        head = runner.head(c.norm_and_head(), "head")
         generator = torch.Generator().manual_seed(c.opts.seed)
         sensitivity, grads = [None] * c.n, None
         with self._progress("loss sensitivities", 0) as bar:
@@ -454,10 +457,7 @@ class _Runner:
 
     def verify_report(self) -> dict:
         c = self.c
-        want_in = {
-            "model.norm.weight": c.source.tensor("model.norm.weight"),
-            "head": c.source.tensor(c.head_name),
-        }
+        want_in = c.norm_and_head()
         got_in = {k: v.to(c.dtype) for k, v in want_in.items()}
         mla_layers = MLALayers(c.placeholder_config(self.state["ranks"]), c.device)
         want = self.src_layers.logits(self.verify_src, want_in, "head")
@@ -533,7 +533,7 @@ def convert_streaming(
         runner = _Runner(conv, work, state)
         if conv.two_pass and "ranks" not in state:
             runner.statistics_pass()
-            if opts.allocation == "fisher" and "sensitivity" not in state:
+            if conv.n_sensitivity and "sensitivity" not in state:
                 runner.sensitivity_sweep()
             runner.plan()
         runner.convert_pass()
