@@ -5,8 +5,9 @@ included) in a child process ``--runs`` times; the peak RSS is the child's own (
 Before each run the bench measures this machine's float32 GEMM rate on a matrix product of the
 default model's MLP shape, because machines of one type differ (the same code has taken
 80 s and 160 s on different days): the rate says how fast the machine was, and the matmul work
-of the calibration divided by it is a floor for the calibration's time on that machine. Each
-run's phase times come from the conversion's own ``conversion.json``. Writes
+of the calibration divided by it is a floor for the calibration's time on that machine. After
+each run it also times that floor directly: the bare decoder forward over the same calibration
+tokens (``--no-forward-floor`` skips it). Each run's phase times come from the conversion's own ``conversion.json``. Writes
 bench/results/convert_cost.{md,json}.
 
     python bench/convert_cost.py                       # 3 runs of the main job
@@ -19,6 +20,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +45,30 @@ def gemm_gflops(rows: int = 2048, inner: int = 576, cols: int = 1536, repeats: i
     return 2 * rows * inner * cols / statistics.median(times) / 1e9
 
 
+def forward_floor_s(src: str, recipe: str) -> float:
+    """Seconds of the bare decoder forward over the recipe's calibration set, in batches of the
+    calibration's size, with no statistics, no backward pass and no LM head: the part of the
+    calibration no method can skip. Measured in a child process, like the conversion."""
+    code = (
+        "import json, time, torch\n"
+        "from mlakit.convert import pipeline\n"
+        "from mlakit.convert.calibration import BATCH_SIZE\n"
+        "from mlakit.convert.source import open_source\n"
+        "from mlakit.recipes import Recipe\n"
+        f"opts = Recipe.load({recipe!r}).to_options()\n"
+        f"source = open_source({src!r})\n"
+        "model = source.load_model(torch.float32, 'cpu')\n"
+        "ids = pipeline.calibration_ids(source, opts, model.config.vocab_size)\n"
+        "tick = time.perf_counter()\n"
+        "with torch.no_grad():\n"
+        "    for batch in ids.split(BATCH_SIZE):\n"
+        "        model.model(input_ids=batch, use_cache=False)\n"
+        "print(json.dumps({'forward_s': time.perf_counter() - tick}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["forward_s"]
+
+
 def calibration_gflop(config: dict, report: dict, sensitivity_sequences: int) -> float:
     """Matrix-product work of the calibration (GFLOP): the forward over every calibration token
     (decoder layers only, the LM head is skipped), plus the backward and the LM head (forward and
@@ -64,6 +90,7 @@ def main() -> None:
     ap.add_argument("--recipe", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-write-results", action="store_true")
+    ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timing after each run")
     args = ap.parse_args()
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES
 
@@ -84,6 +111,7 @@ def main() -> None:
                 "gemm_gflops_before": round(gflops, 1),
                 "calibration_matmul_gflop": round(work, 1),
                 "calibration_floor_s": round(work / gflops, 1),
+                "forward_floor_s": None if args.no_forward_floor else round(forward_floor_s(args.src, args.recipe), 1),
                 "phase_seconds": report.get("phase_seconds"),
                 "kv_values_per_token": report["kv_values_per_token"],
             })
@@ -105,18 +133,21 @@ def main() -> None:
 
 def markdown(result: dict) -> str:
     phases = list(result["runs"][0]["phase_seconds"] or {})
-    head = ["run", "wall s", "peak RSS GB", "CPU s", "GEMM GFLOP/s", "calibration floor s", *[f"{p} s" for p in phases]]
+    head = ["run", "wall s", "peak RSS GB", "CPU s", "GEMM GFLOP/s", "calibration floor s", "bare forward s",
+            *[f"{p} s" for p in phases]]
     lines = [f"Command: `{result['command']}`; {result['machine']['cpu']}, {result['machine']['torch_threads']} "
              f"torch threads. Goals: under {GOALS['wall_s']:.0f} s wall and {GOALS['peak_rss_gb']} GB peak RSS.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(result["runs"]):
         cells = [i + 1, r["wall_s"], r["peak_rss_gb"], r["cpu_s"], r["gemm_gflops_before"], r["calibration_floor_s"],
-                 *[(r["phase_seconds"] or {}).get(p) for p in phases]]
+                 r.get("forward_floor_s"), *[(r["phase_seconds"] or {}).get(p) for p in phases]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     med = result["median"]
     lines += ["", f"Median: {med['wall_s']} s wall, {med['peak_rss_gb']} GB peak RSS, "
               f"GEMM {med['gemm_gflops_before']} GFLOP/s. The floor is the calibration's matrix-product work "
-              f"({result['runs'][0]['calibration_matmul_gflop']} GFLOP) at the GEMM rate measured before the run.", ""]
+              f"({result['runs'][0]['calibration_matmul_gflop']} GFLOP) at the GEMM rate measured before the run. "
+              "The bare forward is measured after the run: the decoder forward over the same calibration tokens "
+              "in the same batches, with no statistics, backward pass or LM head (no method can skip it).", ""]
     return "\n".join(lines)
 
 

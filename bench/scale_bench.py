@@ -106,8 +106,8 @@ def run_conversion(src: Path, out: Path, args) -> dict:
         "convert",
         str(src),
         str(out),
-        "--kv-lora-rank",
-        str(args.rank),
+        *(["--kv-budget", str(args.kv_budget), "--allocation", args.allocation] if args.kv_budget else
+          ["--kv-lora-rank", str(args.rank)]),
         "--rope-dim",
         str(args.rope_dim),
         "--calib",
@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="fp16")
     ap.add_argument("--rank", type=int, default=512)
     ap.add_argument("--rope-dim", type=int, default=64)
+    ap.add_argument("--kv-budget", type=float, help="convert to this budget (with --allocation) instead of --rank")
+    ap.add_argument("--allocation", default="auto", help="--allocation of the conversion when --kv-budget is given")
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--calib-seq-len", type=int, default=128)
     ap.add_argument("--nice", type=int, default=5, help="niceness of the conversion (0 = off)")
@@ -175,6 +177,8 @@ def main() -> None:
             "load_avg_1m_before_after": res["load_avg_1m_before_after"],
             "peak_rss_gb": round(peak / 1e9, 3),
             "self_reported_peak_rss_gb": round(rep["pipeline"]["peak_rss_bytes"] / 1e9, 3),
+            "phase_seconds": rep["pipeline"].get("phase_seconds"),
+            "allocation": rep["settings"]["allocation"],
             "median_layer_s": round(sorted(per_layer)[len(per_layer) // 2], 1) if per_layer else None,
             "layer_seconds": per_layer,
             "calibration_batch": rep["pipeline"]["calibration_batch"],
@@ -196,6 +200,8 @@ def main() -> None:
         },
         "conversion": {
             "kv_lora_rank": args.rank,
+            "kv_budget": args.kv_budget,
+            "allocation": args.allocation if args.kv_budget else None,
             "rope_dim": args.rope_dim,
             "calib": "random ids",
             "calib_samples": args.calib_samples,
@@ -218,25 +224,28 @@ def main() -> None:
     (RESULTS / f"{args.results_name}.json").write_text(
         json.dumps({"setup": setup, "runs": rows}, indent=2) + "\n"
     )
+    target = (f"--kv-budget {args.kv_budget} (--allocation {rows[0]['allocation']}, d_R={args.rope_dim})"
+              if args.kv_budget else f"r={args.rank} + d_R={args.rope_dim}")
     lines = [
         "# Streaming conversion at scale",
         "",
         f"Random Llama checkpoints, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), intermediate "
-        f"{args.intermediate}, vocab {args.vocab}, {args.dtype}; converted at r={args.rank} + d_R={args.rope_dim}, "
+        f"{args.intermediate}, vocab {args.vocab}, {args.dtype}; converted at {target}, "
         f"calibration {args.calib_samples} x {args.calib_seq_len} random ids. Machine: {os.cpu_count()} CPU cores "
         f"shared with other jobs (conversion at niceness {child_nice}, OMP_WAIT_POLICY={args.omp_wait_policy}), "
         "so wall times are upper bounds; CPU s is the conversion process's own user + system time, and the "
         "1-minute load average before/after each run says how busy the machine was.",
         "",
         "| layers | checkpoint GB | wall s | CPU s | load avg before/after | median wall s/layer | peak RSS GB "
-        "| verify max abs dlogit | top-1 agree |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| verify max abs dlogit | top-1 agree | wall s per phase |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         load = "/".join(str(x) for x in r["load_avg_1m_before_after"])
         lines.append(
             f"| {r['layers']} | {r['checkpoint_gb']} | {r['wall_s']} | {r['cpu_s']} | {load} | {r['median_layer_s']} | "
-            f"{r['peak_rss_gb']} | {r['verify_max_abs_logit_diff']:.3g} | {r['verify_top1_agreement']} |"
+            f"{r['peak_rss_gb']} | {r['verify_max_abs_logit_diff']:.3g} | {r['verify_top1_agreement']} | "
+            + ", ".join(f"{k} {v}" for k, v in (r["phase_seconds"] or {}).items()) + " |"
         )
     if "rss_ratio_deepest_vs_shallowest" in setup:
         lines += [

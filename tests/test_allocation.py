@@ -106,6 +106,9 @@ def test_streaming_runs_fisher_on_request_and_resolves_auto_to_uniform(tiny_sour
     assert reports["stream-fisher"]["plan"] == reports["memory-fisher"]["plan"]
     assert reports["stream-auto"]["settings"]["allocation"] == "uniform"
     assert len({lay["kv_lora_rank"] for lay in reports["stream-auto"]["layers"]}) == 1
+    phases = {name: set(reports[name]["pipeline"]["phase_seconds"]) for name in ("stream-fisher", "stream-auto")}
+    assert phases["stream-fisher"] == {"open", "statistics", "sensitivity_sweep", "convert", "verify"}
+    assert phases["stream-auto"] == {"open", "convert", "verify"}  # one pass, no sweep
 
 
 def test_deepseek_v3_format_resolves_auto_to_one_rank_for_every_layer(tiny_sources, tmp_path):

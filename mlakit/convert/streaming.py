@@ -502,6 +502,17 @@ def _open_work_dir(work: WorkDir, fingerprint: dict, resume: bool) -> dict:
     return {"fingerprint": fingerprint, "layers": []}
 
 
+def _phase_timer(phases: dict):
+    """``timed(name, fn)``: run FN, add its wall seconds to PHASES[name], return its result."""
+    def timed(name, fn):
+        tick = time.time()
+        try:
+            return fn()
+        finally:
+            phases[name] = phases.get(name, 0.0) + time.time() - tick
+    return timed
+
+
 def convert_streaming(
     src: str,
     out: str | Path,
@@ -531,13 +542,15 @@ def convert_streaming(
         state.setdefault("ranks", conv.ranks)
     try:
         runner = _Runner(conv, work, state)
+        phases = {"open": time.time() - start}  # this process's seconds per phase (a resumed run skips some)
+        timed = _phase_timer(phases)
         if conv.two_pass and "ranks" not in state:
-            runner.statistics_pass()
+            timed("statistics", runner.statistics_pass)
             if conv.n_sensitivity and "sensitivity" not in state:
-                runner.sensitivity_sweep()
+                timed("sensitivity_sweep", runner.sensitivity_sweep)
             runner.plan()
-        runner.convert_pass()
-        verify = runner.verify_report() if opts.verify else None
+        timed("convert", runner.convert_pass)
+        verify = timed("verify", runner.verify_report) if opts.verify else None
     except BaseException:
         if not state.get("layers") and not state.get("stats_done") and not stream.resume:
             shutil.rmtree(work.path, ignore_errors=True)
@@ -581,6 +594,7 @@ def convert_streaming(
             "calibration_batch": conv.batch_size,
             "resumed_from_layer": resumed_from,
             "layer_seconds": state.get("layer_seconds", []),
+            "phase_seconds": {k: round(v, 2) for k, v in phases.items()},
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         },
     }
