@@ -93,3 +93,22 @@ def test_psd_factor_reproduces_the_matrix():
         bound = 1e-10 * float(sigma.abs().max())
         err = assert_close("R R^T vs sigma", r @ r.T, sigma, atol=bound)
         print(f"psd_factor rank {rank}: bound {bound:.1e}, observed {err:.2e}")
+
+
+def test_psd_factor_stays_cholesky_for_a_second_moment_of_few_tokens():
+    """Fewer calibration tokens than columns, products in float32 as the calibration takes them:
+    rounding leaves the matrix slightly indefinite, the 1e-12 ridge is not enough, and the factor
+    must still come from Cholesky (lower triangular), not from the ten-times dearer eigendecomposition."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, columns = 200, 600
+    x = torch.randn(tokens, columns, generator=gen) * torch.logspace(0, -2, columns)  # uneven channels
+    x = torch.cat([x, torch.ones(tokens, 1)], 1)
+    sigma = (x.T @ x).double() / tokens
+    first = sigma.clone()
+    first.diagonal().add_(1e-12 * float(torch.linalg.matrix_norm(sigma)))
+    assert int(torch.linalg.cholesky_ex(first)[1]) != 0  # the case the larger ridges are for
+    r = psd_factor(sigma)
+    assert torch.equal(r, r.tril())
+    bound = 2e-6 * float(torch.linalg.matrix_norm(sigma))  # the largest ridge, 1e-6 ||sigma||_F, plus rounding
+    err = assert_close("R R^T vs sigma", r @ r.T, sigma, atol=bound)
+    print(f"few-token psd_factor: bound {bound:.1e}, observed {err:.2e}")

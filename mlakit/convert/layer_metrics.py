@@ -37,9 +37,10 @@ class LayerMetrics:
 
     @property
     def sigma_half(self) -> torch.Tensor:
-        """A square-root factor R of sigma, R R^T = sigma + 1e-12 ||sigma||_F I (``psd_factor``): every
-        use (the low-rank step, the rank planner) depends on R R^T alone, so the Cholesky factor
-        serves, at about a tenth of the cost of the symmetric square root at D + 1 = 4097."""
+        """A square-root factor R of sigma, R R^T = sigma + eps I with a small ridge eps
+        (``psd_factor``): every use (the low-rank step, the rank planner) depends on R R^T alone,
+        so the Cholesky factor serves, at about a tenth of the cost of the symmetric square root
+        at D + 1 = 4097."""
         if self._sigma_half is None:
             self._sigma_half = psd_factor(self.sigma)
         return self._sigma_half
@@ -66,18 +67,28 @@ def psd_powers(m, powers: tuple[float, ...], rel_eps: float = 1e-12) -> list:
     return [(vecs * vals.pow(p)) @ vecs.T for p in powers]
 
 
+# Ridges tried in turn by psd_factor, relative to ||m||_F. The last is the rounding level of a
+# calibration second moment (float32 products summed in float64: entries carry a relative error
+# near 1e-6 of their terms' magnitudes), so no shift tried exceeds what that matrix already carries.
+_CHOLESKY_RIDGES = (1.0, 1e3, 1e6)
+
+
 def psd_factor(m: torch.Tensor, rel_eps: float = 1e-12) -> torch.Tensor:
-    """A factor L of a symmetric PSD matrix, L L^T = m + eps I with eps = rel_eps * ||m||_F (at least
-    the ``psd_power`` floor, rel_eps * max eigenvalue): the Cholesky factor. Where rounding leaves m + eps I not numerically
-    positive definite, the floored symmetric square root ``psd_power(m, 0.5)`` instead."""
+    """A factor L of a symmetric PSD matrix, L L^T = m + eps I: the Cholesky factor, with eps the
+    first of rel_eps * ||m||_F times 1, 1e3, 1e6 at which m + eps I is numerically positive definite
+    (the first is at least the ``psd_power`` floor, rel_eps * max eigenvalue). A rank-deficient m,
+    such as the second moment of fewer calibration tokens than it has columns, needs the larger
+    ridges. Where none serves, the floored symmetric square root ``psd_power(m, 0.5)``, an
+    eigendecomposition about ten times the cost at 4097 columns."""
     m = m.double()
-    eps = rel_eps * float(torch.linalg.matrix_norm(m))
-    shifted = m.clone()
-    shifted.diagonal().add_(max(eps, 1e-300))
-    factor, info = torch.linalg.cholesky_ex(shifted)
-    del shifted
-    if int(info) == 0:
-        return factor
+    norm = float(torch.linalg.matrix_norm(m))
+    for ridge in _CHOLESKY_RIDGES:
+        shifted = m.clone()
+        shifted.diagonal().add_(max(rel_eps * ridge * norm, 1e-300))
+        factor, info = torch.linalg.cholesky_ex(shifted)
+        del shifted
+        if int(info) == 0:
+            return factor
     return psd_power(m, 0.5, rel_eps)
 
 
