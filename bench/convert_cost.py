@@ -7,8 +7,8 @@ default model's MLP shape, because machines of one type differ (the same code ha
 80 s and 160 s on different days): the rate says how fast the machine was, and the matmul work
 of the calibration divided by it is a floor for the calibration's time on that machine. After
 each run it also times that floor directly: the bare decoder forward over the same calibration
-tokens (``--no-forward-floor`` skips it). Each run's phase times come from the conversion's own ``conversion.json``. Writes
-bench/results/convert_cost.{md,json}.
+tokens (``--no-forward-floor`` skips it). Each run's phase times come from the conversion's own
+``conversion.json``. Writes bench/results/convert_cost.{md,json}.
 
     python bench/convert_cost.py                       # 3 runs of the main job
     python bench/convert_cost.py --runs 1 --no-write-results
@@ -65,8 +65,10 @@ def forward_floor_s(src: str, recipe: str) -> float:
         "        model.model(input_ids=batch, use_cache=False)\n"
         "print(json.dumps({'forward_s': time.perf_counter() - tick}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["forward_s"]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"the bare-forward child failed:\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])["forward_s"]
 
 
 def calibration_gflop(config: dict, report: dict, sensitivity_sequences: int) -> float:
