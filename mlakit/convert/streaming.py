@@ -502,17 +502,6 @@ def _open_work_dir(work: WorkDir, fingerprint: dict, resume: bool) -> dict:
     return {"fingerprint": fingerprint, "layers": []}
 
 
-def _phase_timer(phases: dict):
-    """``timed(name, fn)``: run FN, add its wall seconds to PHASES[name], return its result."""
-    def timed(name, fn):
-        tick = time.time()
-        try:
-            return fn()
-        finally:
-            phases[name] = phases.get(name, 0.0) + time.time() - tick
-    return timed
-
-
 def convert_streaming(
     src: str,
     out: str | Path,
@@ -542,8 +531,14 @@ def convert_streaming(
         state.setdefault("ranks", conv.ranks)
     try:
         runner = _Runner(conv, work, state)
-        phases = {"open": time.time() - start}  # this process's seconds per phase (a resumed run skips some)
-        timed = _phase_timer(phases)
+        phases = {"open": round(time.time() - start, 2)}  # this process's seconds per phase (a resumed run skips some)
+
+        def timed(name, fn):
+            tick = time.time()
+            out = fn()
+            phases[name] = round(time.time() - tick, 2)
+            return out
+
         if conv.two_pass and "ranks" not in state:
             timed("statistics", runner.statistics_pass)
             if conv.n_sensitivity and "sensitivity" not in state:
@@ -594,7 +589,7 @@ def convert_streaming(
             "calibration_batch": conv.batch_size,
             "resumed_from_layer": resumed_from,
             "layer_seconds": state.get("layer_seconds", []),
-            "phase_seconds": {k: round(v, 2) for k, v in phases.items()},
+            "phase_seconds": phases,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         },
     }
