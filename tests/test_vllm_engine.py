@@ -5,7 +5,8 @@ or ``MLAKIT_VLLM_PYTHON``); this process (transformers 5.x) converts the sources
 expected values with mlakit's ``MLAForCausalLM``. One subprocess serves every checkpoint in turn
 (``tests/vllm_runner.py``), shared by the tests of this module. The plugin is found through its
 entry point: a ``mlakit`` dist-info built from this tree's pyproject.toml is put first on that
-interpreter's path, so the tree under test (not an installed mlakit) is what vLLM loads.
+interpreter's path (``plugin_dist_info``), so the tree under test, not an installed mlakit, is
+what vLLM loads.
 """
 
 from __future__ import annotations
@@ -32,11 +33,7 @@ from transformers import (
 
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.mla_model import MLAConfig, load_converted
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
+from tests.vllm_runner import plugin_dist_info
 
 pytestmark = pytest.mark.engine
 
@@ -91,22 +88,8 @@ def _vllm_python() -> str:
     return VLLM_PYTHON
 
 
-def plugin_dist_info(directory: Path) -> Path:
-    """A ``mlakit`` dist-info whose entry points are this tree's pyproject.toml ones; returns its parent."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    info = directory / f"mlakit-{project['version']}.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlakit\nVersion: {project['version']}\n")
-    lines = []
-    for group, entries in project.get("entry-points", {}).items():
-        lines.append(f"[{group}]")
-        lines += [f"{name} = {target}" for name, target in entries.items()]
-    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
-    return directory
-
-
 def engine_env(tmp: Path) -> dict:
-    path = [str(plugin_dist_info(tmp / "dist")), str(ROOT)]
+    path = [str(plugin_dist_info(tmp / "dist", ROOT)), str(ROOT)]
     return dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(path),
@@ -201,6 +184,7 @@ def served(tmp_path_factory):
             "max_model_len": 128,
         }
     )
+    jobs.append({**jobs[0], "name": "untested_vllm", "vllm_version": "0.31.0"})
     (tmp / "jobs.json").write_text(json.dumps(jobs))
     proc = subprocess.run(
         [python, str(ROOT / "tests" / "vllm_runner.py"), str(tmp / "jobs.json"), str(tmp / "results.json")],
@@ -363,3 +347,9 @@ def test_vllm_serve_answers_a_completion_over_http(served, tmp_path):
     assert choice["token_ids"] == want, f"served tokens {choice['token_ids']} != native {want}"
     assert choice["text"].split() == tokenizer.decode(want, skip_special_tokens=True).split(), choice["text"]
     print(f"vllm serve: {choice['text']!r}")
+
+
+def test_engine_refuses_an_untested_vllm_naming_the_tested_range(served):
+    result, _, _, _ = served["untested_vllm"]
+    assert "error" in result, "served on a vLLM reporting 0.31.0"
+    assert "tested with vLLM >= 0.32, < 0.33 and this is vLLM 0.31.0" in result["error"], result["error"]

@@ -2,7 +2,8 @@
 
     python tests/vllm_runner.py JOBS.json RESULTS.json
 
-JOBS.json: a list of {"name", "model", "prompts": [[ids]], "max_tokens", "max_model_len"}. Each
+JOBS.json: a list of {"name", "model", "prompts": [[ids]], "max_tokens", "max_model_len"} and,
+optionally, "vllm_version": the version vLLM reports to the plugin's model (the version check). Each
 result holds per prompt the greedy tokens, the logprob of each generated token (decode) and of
 each prompt token after the first (prefill), or, for a job the engine refused, the error text.
 The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): one start per job, no
@@ -15,6 +16,28 @@ import gc
 import json
 import sys
 import time
+from pathlib import Path
+
+
+def plugin_dist_info(directory: Path, root: Path) -> Path:
+    """A ``mlakit`` dist-info under DIRECTORY whose entry points are ROOT/pyproject.toml's; returns DIRECTORY.
+
+    First on an interpreter's path, it makes vLLM load the plugin of the tree ROOT, whatever mlakit
+    that interpreter has installed (or none)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    info = directory / f"mlakit-{project['version']}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mlakit\nVersion: {project['version']}\n")
+    lines = []
+    for group, entries in project.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {target}" for name, target in entries.items()]
+    (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    return directory
 
 
 def _chosen(logprobs) -> list[float]:
@@ -22,8 +45,11 @@ def _chosen(logprobs) -> list[float]:
 
 
 def run_job(job: dict) -> dict:
+    import vllm
     from vllm import LLM, SamplingParams
 
+    real_version = vllm.__version__
+    vllm.__version__ = job.get("vllm_version", real_version)
     start = time.perf_counter()
     try:
         llm = LLM(
@@ -36,6 +62,8 @@ def run_job(job: dict) -> dict:
         )
     except Exception as exc:  # the refusal tests read the message
         return {"name": job["name"], "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        vllm.__version__ = real_version
     started = time.perf_counter()
     params = SamplingParams(
         max_tokens=job["max_tokens"], temperature=0.0, logprobs=0, prompt_logprobs=0, ignore_eos=True

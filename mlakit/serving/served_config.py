@@ -9,23 +9,18 @@ does not fit or whose rope scaling cannot be served exactly.
 
 from __future__ import annotations
 
-import logging
-
 from ..mla_model.configuration_mla import MLAConfig
 from .served_shape import ServedShape, check_rope_type, plan_served_shape
 
 __all__ = ["MLAServedConfig"]
-
-logger = logging.getLogger(__name__)
 
 
 class MLAServedConfig(MLAConfig):
     def __init__(
         self, native_kv_lora_rank=None, native_qk_rope_head_dim=None, native_rope_freq_index=None, **kwargs
     ):
-        if (
-            native_kv_lora_rank is not None
-        ):  # rebuilt from a served config's own dict: restore the native fields
+        # Rebuilt from a served config's own dict (to_dict, from_dict): restore the native fields.
+        if native_kv_lora_rank is not None:
             kwargs.update(
                 kv_lora_rank=native_kv_lora_rank,
                 qk_rope_head_dim=native_qk_rope_head_dim,

@@ -42,7 +42,8 @@ from .vllm_version import check_vllm_version
 
 __all__ = ["MLAKitForCausalLM"]
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's "vllm" logger, which has vLLM's handlers: the served shape shows in vLLM's own log.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 _ATTN_WEIGHT = re.compile(
     r"model\.layers\.(\d+)\.self_attn\.(q_proj|kv_a_proj_with_mqa|kv_b_proj)\.(weight|bias)$"

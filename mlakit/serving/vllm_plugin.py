@@ -10,9 +10,9 @@ registers three things, all idempotent:
 - an architecture convertor that tells vLLM the model is MLA (vLLM keeps a fixed list of MLA
   model types), so it allocates the latent paged cache and picks an MLA attention backend.
 
-On a vLLM outside the tested range it logs a warning and registers only the model class, whose
-constructor then raises an error naming the tested range: a plugin that raised here would
-break vLLM for every other model too.
+On a vLLM outside the tested range it logs a warning and skips the convertor (vLLM internals);
+the model class's constructor then raises an error naming the tested range. A plugin that
+raised here would break vLLM for every other model too.
 """
 
 from __future__ import annotations
@@ -31,21 +31,22 @@ _MODEL_TYPE = "mlakit_mla"
 
 def register() -> None:
     import vllm
+    from transformers import AutoConfig
     from vllm import ModelRegistry
 
+    import mlakit  # noqa: F401  (registers MLAConfig first; the served config then replaces it here)
+
+    from .served_config import MLAServedConfig
+
     ModelRegistry.register_model("MLAForCausalLM", MODEL_CLASS)
+    AutoConfig.register(_MODEL_TYPE, MLAServedConfig, exist_ok=True)
     if not vllm_version_supported(vllm.__version__):
+        # The model class's constructor raises the error naming the tested range.
         logger.warning(
             "mlakit's vLLM plugin is not tested with vLLM %s; serving its checkpoints will fail",
             vllm.__version__,
         )
         return
-    from transformers import AutoConfig
-
-    import mlakit  # noqa: F401  (registers MLAConfig first; the served config then replaces it here)
-
-    from .served_config import MLAServedConfig
     from .vllm_arch import MLAKitArchConvertor, register_convertor
 
-    AutoConfig.register(_MODEL_TYPE, MLAServedConfig, exist_ok=True)
     register_convertor(_MODEL_TYPE, MLAKitArchConvertor)
