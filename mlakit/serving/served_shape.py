@@ -69,7 +69,7 @@ class ServedShape:
         shapes = ", ".join(f"{r} + {d}" for r, d in native)
         served = f"{self.kv_lora_rank} + {self.rope_dim}"
         if not self.padded:
-            return f"served at its own shape r + d_R = {served} in all {len(native and self.native_rope_dim)} layers"
+            return f"served at its own shape r + d_R = {served} in all {len(self.native_rope_dim)} layers"
         mean = sum(r + d for r, d in zip(self.native_kv_lora_rank, self.native_rope_dim)) / len(
             self.native_rope_dim
         )
