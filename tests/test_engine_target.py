@@ -101,7 +101,10 @@ def test_stock_export_resolves_a_recipes_allocation_and_refuses_an_explicit_one(
     with caplog.at_level(logging.WARNING, logger="mlakit.convert.engine_target"):
         opts = fit_target(recipe, explicit=set(), stock_export=True)
     assert opts.allocation == "uniform" and opts.stock_rope and opts.kv_budget == 0.3125
-    assert "the recipe's allocation fisher gives each layer its own rank" in caplog.text
+    assert (
+        "allocation fisher gives each layer its own rank, which deepseek-v3 cannot hold: using uniform"
+        in caplog.text
+    )
     assert fit_target(ConvertOptions(kv_budget=0.5), stock_export=True).allocation == "uniform"  # auto
     with pytest.raises(
         TargetError, match="--allocation planned gives each layer its own rank, which deepseek-v3"

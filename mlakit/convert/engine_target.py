@@ -104,7 +104,7 @@ def fit_target(opts, explicit: Collection[str] | None = None, stock_export: bool
             )
         if per_layer and budget is not None:
             log.warning(
-                "the recipe's allocation %s gives each layer its own rank, which %s not: using uniform",
+                "the recipe's allocation %s gives each layer its own rank, which %s: using uniform",
                 opts.allocation,
                 why,
             )

@@ -112,7 +112,9 @@ def vllm_problems(rank: int, rope_dim: int, rope: dict, keep_biases: bool) -> li
             problems.append(
                 f"r + d_R = {rank} + {rope_dim} = {width}: vLLM refuses it at the first forward (`Head dimension "
                 f"{width} is not supported by MLA`); its MLA layer takes {' or '.join(map(str, VLLM_MLA_WIDTHS))}, "
-                f"every backend {VLLM_MLA_RANK} + {VLLM_MLA_ROPE_DIM} (convert with --target vllm)"
+                f"every backend {VLLM_MLA_RANK} + {VLLM_MLA_ROPE_DIM} (`convert --target vllm` plans that for "
+                f"models caching more than {VLLM_MLA_RANK + VLLM_MLA_ROPE_DIM} values per layer; smaller ones "
+                f"gain nothing from MLA in vLLM)"
             )
     if rope.get("rope_type", "default") not in ("default", "yarn"):
         problems.append(
