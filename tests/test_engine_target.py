@@ -207,6 +207,7 @@ def test_cli_readme_command_recipe_with_format_deepseek_v3(tiny_sources, tmp_pat
     ]
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
+    assert "the recipe's allocation fisher gives each layer its own rank" in res.stderr, res.stderr
     native = json.loads((out / "native_conversion.json").read_text())
     assert native["settings"]["allocation"] == "uniform" and native["settings"]["stock_rope"] is True
     assert native["settings"]["kv_budget"] == 0.3125  # the recipe's budget is kept
