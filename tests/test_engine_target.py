@@ -258,3 +258,22 @@ def test_recipe_target_field_round_trips_and_the_512_plus_64_recipes_set_it():
         recipe = Recipe.load(name)
         at_engine_shape = (recipe.kv_lora_rank, recipe.rope_dim) == (512, 64)
         assert (recipe.target == "vllm") == at_engine_shape, name
+
+
+def test_format_deepseek_v3_with_target_vllm_writes_an_export_vllm_serves(target_outputs, tmp_path):
+    from mlakit.export import convert_to_format
+
+    root, _ = target_outputs
+    report = convert_to_format(
+        "deepseek-v3", str(root / "src"), tmp_path / "ds", ConvertOptions(target="vllm", **CALIB)
+    )
+    export = report["export"]
+    assert export["engines"]["vllm"] == {"serves_exactly": True, "problems": []}
+    assert export["verify"]["max_abs_logit_diff_fp32"] <= 1e-3 and export["settings"]["target"] == "vllm"
+    cfg = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"], cfg["rope_parameters"]["rope_type"]) == (
+        512,
+        64,
+        "yarn",
+    )
+    assert not (tmp_path / "ds" / "README.md").exists()  # nothing to warn about
