@@ -61,11 +61,12 @@ CASES = {
     ),
     # the default scored rope method, restricted to stock-form frequencies
     "llama_gqa_scored_stock": ("llama_gqa", {}, dict(rope_dim=8, kv_lora_rank=20, stock_rope=True), {}, 24),
+    # a scaled rope is exact in transformers only: the explicit opt-in
     "llama3_scaled": (
         "llama3_scaled",
         {},
         dict(rope_method="transmla", rope_dim=16, kv_lora_rank=20),
-        {},
+        {"rope_scaling": "hf-exact"},
         24,
     ),
     "qwen2_hf_exact": (
@@ -241,8 +242,9 @@ def test_identity_norm_is_exact_to_its_bound():
 def test_rope_stride_and_row_order():
     assert stock_rope_stride([[0, 2, 4, 6], [6, 4, 0, 2]], 16) == 2
     assert rope_row_order([2, 0, 1], 1) == [1, 4, 2, 5, 0, 3]
-    rope = stock_rope_parameters({"rope_type": "default", "rope_theta": 10000.0}, 64, 16, 2)
+    rope = stock_rope_parameters({"rope_type": "default", "rope_theta": 10000.0}, 64, 16, 2, 4096)
     assert rope["rope_theta"] == pytest.approx(10000.0**0.5)
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 1.0  # the no-op YaRN (test_export_engines.py)
 
 
 # --- every constraint error ----------------------------------------------------------------------
@@ -287,7 +289,7 @@ def test_non_stock_rope_frequencies_are_refused(natives, tmp_path):
 
 def test_unsupported_rope_type_is_refused():
     with pytest.raises(ExportError, match="supported: default, linear, llama3"):
-        stock_rope_parameters({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, 64, 16, 1)
+        stock_rope_parameters({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}, 64, 16, 1, 4096)
 
 
 def test_biases_refused_by_default_and_drop_is_lossy_but_loads(natives, tmp_path):
@@ -362,7 +364,11 @@ def test_cli_export_and_convert_format(natives, tmp_path):
     convert(str(natives["scored_src"]), good, ConvertOptions(**CALIB, rope_method="transmla", rope_dim=16))
     res = runner.invoke(cli, ["export", str(good), str(tmp_path / "ds"), "--format", "deepseek-v3", "-q"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["verify"]["max_abs_logit_diff_fp32"] <= FP32_BOUND
+    summary = json.loads(res.stdout)  # stderr carries the warning that vLLM refuses this shape
+    assert summary["verify"]["max_abs_logit_diff_fp32"] <= FP32_BOUND
+    assert (
+        "vLLM would refuse or misread it" in res.stderr and not summary["engines"]["vllm"]["serves_exactly"]
+    )
     res = runner.invoke(cli, ["export", str(natives["scored"]), str(tmp_path / "bad"), "-q"])
     assert res.exit_code == 1 and "Error:" in res.output and "--stock-rope" in res.output
 

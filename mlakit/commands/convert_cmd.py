@@ -6,9 +6,9 @@ import json
 
 import click
 
+from ..convert.engine_target import TARGETS, fit_target
 from ..convert.pipeline import DTYPES
 from ..convert.rank_plan import ALLOCATIONS
-from ..convert.rope_select import STOCK_ROPE_METHODS
 from ..convert.streaming import StreamOptions, resolve_device, run_conversion
 from ..recipes import Recipe, RecipeError
 from .common import byte_size_type, rank_option_type, user_errors, verbosity_options
@@ -20,7 +20,7 @@ __all__ = ["convert_command"]
 _OVERRIDES = {
     "kv_lora_rank": "kv_lora_rank", "rope_dim": "rope_dim", "kv_budget": "kv_budget",
     "allocation": "allocation", "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
-    "stock_rope": "stock_rope",
+    "stock_rope": "stock_rope", "target": "target",
     "calib": "calib", "calib_samples": "calib_samples", "calib_seq_len": "calib_seq_len", "dtype": "dtype",
 }
 
@@ -51,6 +51,12 @@ _OVERRIDES = {
 @click.option("--stock-rope", is_flag=True, default=None,
               help="Keep rotary components only at every k-th source frequency, one per FreqFold group, so the "
                    "stock deepseek-v3 export can express the rope (implied by --format deepseek-v3).")
+@click.option("--target", type=click.Choice(TARGETS),
+              help="Serving engine the plan must fit. vllm: r = 512 latent + d_R = 64 rope dims in every layer, the "
+                   "only shape vLLM's CPU, FlashMLA and CUTLASS MLA kernels take (its MLA layer refuses r + d_R "
+                   "outside 320, 512, 576); replaces a recipe's budget, refuses conflicting flags and sources that "
+                   "cache at most 576 values per layer (nothing to gain). With --format deepseek-v3 also refuses "
+                   "what vLLM's DeepSeek model misreads. any: no engine constraint [default: any].")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
 @click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
 @click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")
@@ -74,8 +80,8 @@ _OVERRIDES = {
 @export_options
 @verbosity_options
 @user_errors
-def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, fmt, biases, clip_context,
-                    pipeline, resume, max_memory, **flags):
+def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, fmt, biases, rope_scaling,
+                    clip_context, pipeline, resume, max_memory, **flags):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
     try:
         base = Recipe.load(recipe) if recipe else Recipe()
@@ -87,8 +93,8 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
     device = resolve_device(device)
     opts = base.to_options(device=device, seed=seed, overwrite=overwrite, verify=not no_verify, quiet=quiet,
                            **overrides)
-    if fmt == "deepseek-v3" and opts.rope_method in STOCK_ROPE_METHODS:
-        opts.stock_rope = True  # the export needs one stock rope table
+    # a recipe's values that the target or the export cannot hold are replaced (logged), explicit flags refused
+    opts = fit_target(opts, explicit=overrides, stock_export=fmt == "deepseek-v3")
     named = base.model_copy(update={"name": base.name or recipe})
     if fmt == "native":
         stream = StreamOptions(resume=resume, max_memory=max_memory)
@@ -100,7 +106,8 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
         from ..export import ExportOptions, convert_to_format
 
         report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=ExportOptions(
-            biases=biases, clip_context=clip_context, overwrite=overwrite, verify=not no_verify))
+            biases=biases, rope_scaling=rope_scaling, clip_context=clip_context, overwrite=overwrite,
+            verify=not no_verify))
     per_layer = report["kv_values_per_token"] / len(report["layers"])
     summary = {
         "output": str(out),

@@ -6,8 +6,9 @@ import json
 
 import click
 
+from ..convert.engine_target import TARGETS
 from ..export import ExportOptions, export
-from ..export.deepseek_v3 import BIAS_POLICIES
+from ..export.engine_rules import BIAS_POLICIES, ROPE_SCALING_POLICIES
 from .common import user_errors, verbosity_options
 
 __all__ = ["export_command", "export_options"]
@@ -22,8 +23,17 @@ def export_options(fn):
                 type=click.Choice(BIAS_POLICIES),
                 default="refuse",
                 show_default=True,
-                help="Attention biases (Qwen2): refuse; drop them (lossy, loads everywhere); or hf-exact "
-                "(exact in transformers, not loadable by vLLM/SGLang).",
+                help="Attention biases (Qwen2): refuse; drop them (lossy everywhere); or hf-exact (exact in "
+                "transformers only: vLLM's DeepSeek model drops them without an error).",
+            ),
+            click.option(
+                "--rope-scaling",
+                type=click.Choice(ROPE_SCALING_POLICIES),
+                default="refuse",
+                show_default=True,
+                help="A scaled rope (llama3, linear): refuse it (vLLM's DeepSeek model rewrites it to "
+                "DeepSeek-YaRN, wrong logits), or hf-exact (exact in transformers only; export.json and "
+                "README.md say vLLM misreads it).",
             ),
             click.option(
                 "--clip-context",
@@ -56,16 +66,28 @@ def export_options(fn):
     help="Export dtype; auto keeps OUT's. float16 is refused (see --help of the format).",
 )
 @export_options
+@click.option(
+    "--target",
+    type=click.Choice(TARGETS),
+    default="any",
+    show_default=True,
+    help="vllm: refuse an export vLLM would refuse or misread (shapes other than 512 + 64, transformers-only "
+    "options). any: write it and record in export.json what vLLM would make of it.",
+)
 @click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
 @click.option("--no-verify", is_flag=True, help="Skip comparing the export's logits with OUT's.")
 @verbosity_options
 @user_errors
-def export_command(out, dest, fmt, dtype, biases, clip_context, overwrite, no_verify, quiet):
+def export_command(
+    out, dest, fmt, dtype, biases, rope_scaling, clip_context, target, overwrite, no_verify, quiet
+):
     """Export the native mlakit checkpoint OUT (written by `mla-convert convert`) to DEST in another format."""
     opts = ExportOptions(
         format=fmt,
         dtype=dtype,
         biases=biases,
+        rope_scaling=rope_scaling,
+        target=target,
         clip_context=clip_context,
         overwrite=overwrite,
         verify=not no_verify,
@@ -77,6 +99,7 @@ def export_command(out, dest, fmt, dtype, biases, clip_context, overwrite, no_ve
                 "output": str(dest),
                 "format": fmt,
                 "checks": report["checks"],
+                "engines": report["engines"],
                 "verify": report.get("verify"),
                 "seconds": report["seconds"],
             },

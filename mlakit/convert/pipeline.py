@@ -20,6 +20,7 @@ from .assemble import (
 )
 from .calibration import SENSITIVITY_SAMPLES, collect_stats
 from .compress import Method, compress_layer
+from .engine_target import check_target_shape, fit_target
 from .families import attention_shape
 from .layer_metrics import layer_metrics
 from .rank_plan import ALLOCATIONS, FISHER_STEP, plan_budget
@@ -55,6 +56,7 @@ class ConvertOptions:
     fold: int = 0  # 0 = auto (see rope_select.auto_fold)
     mixing: str = "pca"
     stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
+    target: str = "any"  # serving engine whose MLA kernels the plan must fit: engine_target.TARGETS
     calib: str = "builtin"
     calib_samples: int = 128
     calib_seq_len: int = 256
@@ -252,17 +254,23 @@ def effective_recipe(opts: ConvertOptions, base=None):
         rope_dim=None if budget else opts.rope_dim,
         method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing,
                           stock_rope=opts.stock_rope),
+        target=opts.target,
         calibration=Calibration(data=opts.calib, samples=opts.calib_samples, seq_len=opts.calib_seq_len,
 ),
         dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
     )
 
 
-def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recipe=None) -> dict:
+def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recipe=None, precheck=None) -> dict:
     """Convert SRC into an MLA checkpoint at OUT; returns the conversion report.
 
-    RECIPE (optional) only names the recipe the options came from, for the saved copy."""
-    opts = resolve_allocation(opts or ConvertOptions())
+    RECIPE (optional) only names the recipe the options came from, for the saved copy. PRECHECK
+    (optional) is called with the source config and its ``attention_shape`` before any calibration;
+    it raises to refuse the source (the deepseek-v3 export checks biases and rope there)."""
+    try:
+        opts = resolve_allocation(fit_target(opts or ConvertOptions()))
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
     torch.manual_seed(opts.seed)
     start = time.time()
     out = Path(out)
@@ -271,6 +279,9 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     source = open_source(src)
     phases = {"open": time.time() - start}
     shape = attention_shape(source.config)
+    check_target_shape(opts, shape)
+    if precheck is not None:
+        precheck(source.config, shape)
     check_ranks(opts if opts.kv_budget is None else replace(opts, kv_lora_rank="full"), shape)  # fail early
     opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
     dtype = resolve_dtype(opts.dtype, source.config)

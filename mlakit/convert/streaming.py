@@ -56,6 +56,7 @@ from .calibration import (
     logit_gradient,
 )
 from .compress import compress_layer
+from .engine_target import check_target_shape, fit_target
 from .families import LAYER_PREFIX, attention_shape
 from .layer_metrics import layer_metrics
 from .layer_runner import MLALayers, SourceLayers
@@ -134,6 +135,7 @@ class _StreamingConversion:
         self.source, self.stream = source, stream
         cfg = source.config
         self.shape = shape = attention_shape(cfg)
+        check_target_shape(opts, shape)
         self.opts = opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
         self.n = n = cfg.num_hidden_layers
         check_source_tensors(source)
@@ -512,7 +514,11 @@ def convert_streaming(
     """Convert SRC (a directory of safetensors shards) into an MLA checkpoint at OUT, layer by layer.
 
     Same output as ``pipeline.convert``; see the module docstring for memory and resume."""
-    opts, stream = resolve_allocation(opts or ConvertOptions(), streaming=True), stream or StreamOptions()
+    try:
+        opts = resolve_allocation(fit_target(opts or ConvertOptions()), streaming=True)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
+    stream = stream or StreamOptions()
     torch.manual_seed(opts.seed)
     start = time.time()
     out_path = check_output(out, opts.overwrite)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .deepseek_v3 import ExportError
+from .engine_rules import ExportError
 from .run import FORMATS, ExportOptions, convert_to_format, export
 
 __all__ = ["FORMATS", "ExportError", "ExportOptions", "convert_to_format", "export"]

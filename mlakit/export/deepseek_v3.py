@@ -23,14 +23,21 @@ differs from our native model in six places; each is bridged exactly or refused:
    ``o_proj``, ``down_proj``) makes them compute exactly what they did with eps_src.
 4. Softmax scale: stock uses 1/√(d_nope + d_R); q is pre-scaled so the product is ours.
 5. Biases (Qwen2 q/k/v): stock has no ``q_proj`` bias, and vLLM/SGLang's DeepSeek models have no
-   attention biases at all. Refused by default; ``drop`` removes them (lossy), ``hf-exact`` keeps them
-   with ``attention_bias`` and routes q through ``q_lora_rank`` = D + 1 with an identity norm
-   (exact in transformers only).
+   attention biases at all (vLLM drops them silently). Refused by default; ``drop`` removes them
+   (lossy), ``hf-exact`` keeps them with ``attention_bias`` and routes q through ``q_lora_rank`` =
+   D + 1 with an identity norm (exact in transformers only).
 6. Sliding window (Mistral): stock has none. Exact only for sequences within the window, so
    refused unless ``clip_context``, which sets ``max_position_embeddings`` to the window.
 
 The export is dense (``first_k_dense_replace`` = number of layers), ``q_lora_rank: null`` unless
 biases need it, embeddings untied (engines differ in how they tie).
+
+Rope as engines read it: vLLM's DeepSeek model rewrites any rope scaling (linear, llama3) to its
+DeepSeek-YaRN, so a scaled rope is refused unless ``rope_scaling="hf-exact"`` (transformers only);
+its CPU rotary kernel mishandles the strided MLA views with ``rope_type: default``, so the default
+rope is written as a YaRN that changes nothing (``noop_yarn``): factor 1 makes the interpolated and
+extrapolated tables equal, and every mscale/attention factor of factor 1 is 1 (transformers 4.x and
+5.x and vLLM all return 1.0 for a scale <= 1).
 """
 
 from __future__ import annotations
@@ -41,18 +48,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .engine_rules import ExportError, check_biases, check_rope_scaling
+
 __all__ = [
-    "BIAS_POLICIES",
     "EXPORT_DTYPES",
-    "ExportError",
     "ExportPlan",
-    "STOCK_ROPE_TYPES",
-    "check_biases",
     "check_dtype",
-    "check_window",
     "identity_norm_scale",
     "latent_norm_bound",
     "layer_tensors",
+    "legacy_rope_fields",
+    "noop_yarn",
     "plan_export",
     "residual_scale",
     "rope_row_order",
@@ -69,15 +75,7 @@ EXPORT_DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-BIAS_POLICIES = ("refuse", "drop", "hf-exact")
-# Rope types whose scaling is a function of each frequency alone, so it commutes with picking a
-# sub-table; yarn/dynamic/longrope also depend on the head dim or the sequence length.
-STOCK_ROPE_TYPES = ("default", "linear", "llama3")
 NORM_TARGET = 2.0**-24  # bound on the relative error of an identity-by-eps RMSNorm
-
-
-class ExportError(ValueError):
-    """The native checkpoint cannot be expressed exactly in the target format; the message says how to fix it."""
 
 
 def stock_latent_norm_eps() -> float:
@@ -135,18 +133,33 @@ def stock_rope_stride(freq_index: list[list[int]], head_dim: int) -> int:
     return stride
 
 
-def stock_rope_parameters(rope: dict, head_dim: int, rope_dim: int, stride: int) -> dict:
-    """Stock rope parameters whose d_R-dim table equals the kept part of the source's."""
+def noop_yarn(theta: float, max_positions: int) -> dict:
+    """YaRN parameters whose table and scales equal plain rope at THETA (see the module docstring)."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": theta,
+        "factor": 1.0,
+        "original_max_position_embeddings": max_positions,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    }
+
+
+def stock_rope_parameters(
+    rope: dict, head_dim: int, rope_dim: int, stride: int, max_positions: int, rope_scaling: str = "refuse"
+) -> dict:
+    """Stock rope parameters whose d_R-dim table equals the kept part of the source's.
+
+    The default rope becomes ``noop_yarn``; a scaled one keeps its type (``check_rope_scaling``)."""
     rope_type = rope.get("rope_type", "default")
-    if rope_type not in STOCK_ROPE_TYPES:
-        raise ExportError(
-            f"rope_type {rope_type!r} cannot be exported: deepseek-v3 recomputes it for qk_rope_head_dim, "
-            f"which changes the frequencies; supported: {', '.join(STOCK_ROPE_TYPES)}"
-        )
+    check_rope_scaling(rope_type, rope_scaling)
     theta = float(rope["rope_theta"])
-    out = dict(rope)
-    out["rope_theta"] = theta ** (stride * rope_dim / head_dim) if rope_dim else theta
-    return out
+    theta = theta ** (stride * rope_dim / head_dim) if rope_dim else theta
+    if rope_type == "default":
+        return noop_yarn(theta, max_positions)
+    return dict(rope) | {"rope_theta": theta}
 
 
 def rope_row_order(freq_index: list[int], stride: int) -> list[int]:
@@ -186,36 +199,6 @@ def residual_scale(source_eps: float, stock_eps: float) -> float:
     return math.sqrt(stock_eps / source_eps)
 
 
-def check_biases(native: dict, policy: str) -> list[str]:
-    """Names of the native bias kinds present; ExportError when they are present and the policy refuses."""
-    if policy not in BIAS_POLICIES:
-        raise ExportError(f"--biases {policy!r} is not one of {', '.join(BIAS_POLICIES)}")
-    present = [k for k in ("q_proj_bias", "kv_a_proj_bias", "o_proj_bias") if native.get(k)]
-    if present and policy == "refuse":
-        raise ExportError(
-            f"the checkpoint has attention biases ({', '.join(present)}; Qwen2's q/k/v biases), which "
-            f"deepseek-v3 cannot hold as they are: stock transformers has no q_proj bias and vLLM/SGLang's "
-            f"DeepSeek models have no attention biases. Pass --biases hf-exact (exact, loads in transformers "
-            f"only: attention_bias plus q through q_lora_rank) or --biases drop (loads everywhere, lossy; "
-            f"the export report measures the change)"
-        )
-    return present
-
-
-def check_window(window: int | None, max_positions: int, clip_context: bool) -> int:
-    """The max_position_embeddings of the export given the native sliding window."""
-    if window is None or window >= max_positions:
-        return max_positions
-    if not clip_context:
-        raise ExportError(
-            f"the checkpoint uses a sliding window of {window} tokens (max_position_embeddings "
-            f"{max_positions}); deepseek-v3 has no sliding window, so the export matches only sequences of at "
-            f"most {window} tokens. Pass --clip-context to export with max_position_embeddings={window} "
-            f"(engines then refuse longer contexts)"
-        )
-    return window
-
-
 @dataclass
 class ExportPlan:
     """Everything the per-layer mapping needs, decided once from the native config."""
@@ -241,8 +224,12 @@ class ExportPlan:
         return self.keep_biases and "q_proj_bias" in self.present_biases
 
 
-def plan_export(native, biases: str = "refuse") -> tuple[ExportPlan, dict]:
-    """Check NATIVE (an MLAConfig) against the stock format; returns the plan and the stock rope parameters."""
+def plan_export(
+    native, biases: str = "refuse", rope_scaling: str = "refuse", max_positions: int | None = None
+) -> tuple[ExportPlan, dict]:
+    """Check NATIVE (an MLAConfig) against the stock format; returns the plan and the stock rope parameters.
+
+    MAX_POSITIONS: the export's max_position_embeddings (default: the native one)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
     n = native.num_hidden_layers
@@ -250,7 +237,10 @@ def plan_export(native, biases: str = "refuse") -> tuple[ExportPlan, dict]:
     rope_dim = uniform([native.layer_rope_dim(i) for i in range(n)], "qk_rope_head_dim")
     present = check_biases(native.to_dict(), biases)
     stride = stock_rope_stride(native.rope_freq_index, native.head_dim)
-    rope = stock_rope_parameters(dict(native.rope_parameters), native.head_dim, rope_dim, stride)
+    max_positions = native.max_position_embeddings if max_positions is None else max_positions
+    rope = stock_rope_parameters(
+        dict(native.rope_parameters), native.head_dim, rope_dim, stride, max_positions, rope_scaling
+    )
     d_nope = native.qk_nope_head_dim
     stock_scale = yarn_apply_mscale(rope, (d_nope + rope_dim) ** -0.5)
     eps = stock_latent_norm_eps()
@@ -375,9 +365,7 @@ def stock_config(native, plan: ExportPlan, rope: dict, max_positions: int, dtype
         "num_nextn_predict_layers": 0,
         "max_position_embeddings": max_positions,
         "rms_norm_eps": plan.eps,
-        "rope_parameters": rope,
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+        "rope_parameters": rope,  # the legacy rope_theta/rope_scaling are added to config.json (legacy_rope_fields)
         "rope_interleave": True,
         "attention_bias": plan.keep_biases,
         "attention_dropout": 0.0,
@@ -385,3 +373,12 @@ def stock_config(native, plan: ExportPlan, rope: dict, max_positions: int, dtype
         "dtype": str(dtype).replace("torch.", ""),
     }
     return cfg
+
+
+def legacy_rope_fields(rope: dict) -> dict:
+    """The top-level ``rope_theta`` and ``rope_scaling`` transformers 4.x reads (5.x reads
+    ``rope_parameters`` and drops these two when it builds the config, so they are written after it)."""
+    return {
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"},
+    }

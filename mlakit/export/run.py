@@ -15,9 +15,18 @@ from pathlib import Path
 
 import torch
 
+from ..convert.engine_target import fit_target
 from ..convert.source import TOKENIZER_FILES
 from ..convert.writer import atomic_output, save_state_dict, write_json
-from .deepseek_v3 import ExportError, check_dtype, check_window, layer_tensors, plan_export, stock_config
+from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
+from .engine_rules import (
+    ExportError,
+    check_source_for_export,
+    check_window,
+    engine_readme,
+    target_refusal,
+    vllm_problems,
+)
 
 __all__ = ["FORMATS", "ExportOptions", "convert_to_format", "export", "read_native"]
 
@@ -33,6 +42,8 @@ class ExportOptions:
     format: str = "deepseek-v3"
     dtype: str = "auto"
     biases: str = "refuse"
+    rope_scaling: str = "refuse"  # a scaled rope (linear, llama3): refuse, or hf-exact (transformers only)
+    target: str = "any"  # vllm: refuse an export vLLM would refuse or misread (engine_rules.vllm_problems)
     clip_context: bool = False
     overwrite: bool = False
     verify: bool = True
@@ -164,7 +175,10 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
     cfg = native.config
     dtype = check_dtype(opts.dtype, native.dtype)
     max_positions = check_window(cfg.attention_window, cfg.max_position_embeddings, opts.clip_context)
-    plan, rope = plan_export(cfg, opts.biases)
+    plan, rope = plan_export(cfg, opts.biases, opts.rope_scaling, max_positions)
+    problems = vllm_problems(plan.rank, plan.rope_dim, rope, plan.keep_biases)
+    if opts.target == "vllm" and problems:
+        raise ExportError(target_refusal(problems))
     fields = stock_config(cfg, plan, rope, max_positions, dtype)
     state, facts, dropped = _stock_state(native, plan, dtype)
     from transformers import DeepseekV3Config, GenerationConfig
@@ -189,12 +203,19 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
             "sliding_window": {"native": cfg.attention_window, "max_position_embeddings": max_positions},
             "dtype": str(dtype).replace("torch.", ""),
         },
+        "engines": {
+            "transformers": "exact: stock DeepseekV3ForCausalLM, no remote code (transformers 4.x and 5.x)",
+            "vllm": {"serves_exactly": not problems, "problems": problems},
+        },
         "layers": facts,
     }
     with atomic_output(dest, opts.overwrite) as tmp:
         save_state_dict(state, tmp)
         del state
         config.save_pretrained(str(tmp))
+        _add_legacy_rope(tmp / "config.json", rope)
+        if problems:
+            (tmp / "README.md").write_text(engine_readme(problems))
         report["copied"] = _copy_side_files(native_dir, tmp)
         if not (tmp / "generation_config.json").is_file():
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
@@ -202,8 +223,21 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
             report["verify"] = _verify(native_dir, tmp, max_positions)
         report["seconds"] = round(time.time() - start, 2)
         write_json(tmp / "export.json", report)
+    if problems:
+        log.warning(
+            "%s loads exactly in transformers, but vLLM would refuse or misread it: %s",
+            dest,
+            "; ".join(problems),
+        )
     log.info("exported %s to %s in %.1f s", native_dir, dest, time.time() - start)
     return report
+
+
+def _add_legacy_rope(path: Path, rope: dict) -> None:
+    """Write the legacy rope fields transformers 4.x reads into the config.json 5.x wrote without them."""
+    cfg = json.loads(path.read_text())
+    cfg.update(legacy_rope_fields(rope))
+    write_json(path, cfg)
 
 
 def convert_to_format(
@@ -222,17 +256,19 @@ def convert_to_format(
         raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
     if convert_opts.dtype in ("float16", "fp16"):
         check_dtype(convert_opts.dtype, torch.float16)
-    if convert_opts.allocation == "auto":  # per-layer ranks are what deepseek-v3 cannot hold
-        convert_opts = replace(convert_opts, allocation="uniform")
-    if convert_opts.kv_budget is not None and convert_opts.allocation != "uniform":
-        raise ConversionError(
-            f"--allocation {convert_opts.allocation} gives each layer its own rank, which deepseek-v3 cannot "
-            f"hold; use --allocation uniform (or auto) with --format deepseek-v3"
-        )
+    try:  # one rank in every layer, stock-form rope (a caller's explicit per-layer allocation is refused)
+        convert_opts = fit_target(convert_opts, stock_export=True)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
     export_opts = export_opts or ExportOptions(overwrite=convert_opts.overwrite, verify=convert_opts.verify)
+    export_opts = replace(export_opts, target=convert_opts.target)
+
+    def precheck(source_config, shape):  # refuse what the export would refuse before calibrating
+        check_source_for_export(source_config, shape, export_opts)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.native-", dir=out.parent) as tmp:
-        report = convert(src, Path(tmp) / "native", convert_opts, recipe=recipe)
+        report = convert(src, Path(tmp) / "native", convert_opts, recipe=recipe, precheck=precheck)
         if export_opts.dtype == "auto" and report["settings"]["dtype"] == "float16":
             log.warning("the source is float16, which deepseek-v3 cannot hold; exporting bfloat16")
             export_opts = replace(export_opts, dtype="bfloat16")

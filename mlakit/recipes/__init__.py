@@ -50,6 +50,8 @@ class Recipe(_Strict):
     method: MethodSpec = MethodSpec()
     calibration: Calibration = Calibration()
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # serving engine whose MLA kernels the plan must fit (vllm: 512 + 64 in every layer; engine_target.py)
+    target: Literal["any", "vllm"] = "any"
 
     @field_validator("kv_lora_rank", "rope_dim")
     @classmethod
@@ -107,6 +109,7 @@ class Recipe(_Strict):
             calib_samples=self.calibration.samples,
             calib_seq_len=self.calibration.seq_len,
             dtype=self.dtype,
+            target=self.target,
         )
         fields.update(overrides)
         return ConvertOptions(**fields)
