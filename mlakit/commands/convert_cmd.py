@@ -10,7 +10,7 @@ from ..convert.pipeline import DTYPES
 from ..convert.rank_plan import ALLOCATIONS
 from ..convert.rope_select import STOCK_ROPE_METHODS
 from ..convert.streaming import StreamOptions, resolve_device, run_conversion
-from ..recipes import Recipe, RecipeError
+from ..recipes import MIN_CALIB_SEQ_LEN, Recipe, RecipeError
 from .common import byte_size_type, rank_option_type, user_errors, verbosity_options
 from .export_cmd import export_options
 
@@ -52,8 +52,9 @@ _OVERRIDES = {
               help="Keep rotary components only at every k-th source frequency, one per FreqFold group, so the "
                    "stock deepseek-v3 export can express the rope (implied by --format deepseek-v3).")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
-@click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
-@click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")
+@click.option("--calib-samples", type=click.IntRange(min=1), help="Calibration sequences [default: 128].")
+@click.option("--calib-seq-len", type=click.IntRange(min=MIN_CALIB_SEQ_LEN),
+              help="Tokens per calibration sequence [default: 256].")
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), help="Output dtype; auto keeps the source's.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N or auto (cuda when visible): where calibration, the per-layer math and "

@@ -14,10 +14,11 @@ from ..convert.assemble import read_attention
 from ..convert.families import attention_shape
 from ..convert.inspect_model import latent_energy_kept, layer_spectra, spectra_summary
 from ..convert.layer_metrics import layer_metrics
+from ..convert.output_dir import atomic_output
 from ..convert.pipeline import ConversionError, ConvertOptions, build_layers, calibrate, method_of
 from ..convert.rank_plan import ALLOCATIONS, budget_rope_dim
 from ..convert.source import open_source
-from ..convert.writer import atomic_output, write_json
+from ..convert.writer import write_json
 from .common import user_errors, verbosity_options
 
 __all__ = ["format_table", "inspect_command", "inspect_source", "spectra_figure"]
@@ -300,7 +301,7 @@ def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_
     click.echo(format_table(report))
     if out_path is not None:
         fig = spectra_figure(report)
-        with atomic_output(out_path, overwrite=True) as tmp:
+        with atomic_output(out_path, overwrite=True, markers=(REPORT_JSON,)) as tmp:
             write_json(tmp / REPORT_JSON, report)
             fig.savefig(tmp / FIGURE_PNG, dpi=110)
         click.echo(f"wrote {out_path / REPORT_JSON} and {out_path / FIGURE_PNG}")

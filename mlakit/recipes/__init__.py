@@ -15,7 +15,13 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["BUILTIN_RECIPES", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+
+# The rotary selection weighs each component by its attention at every query-key distance
+# (``calibration``'s lag profile, weighted by 1 - cos(theta * lag)); a 1-token sequence has only
+# distance 0, where every weight is 0, so it could not tell rotary components apart. Two tokens
+# give one non-zero distance: the least the statistics need (longer ones measure more of them).
+MIN_CALIB_SEQ_LEN = 2
 
 
 class RecipeError(ValueError):
@@ -37,7 +43,7 @@ class MethodSpec(_Strict):
 class Calibration(_Strict):
     data: str = "builtin"
     samples: int = Field(128, ge=1)
-    seq_len: int = Field(256, ge=8)
+    seq_len: int = Field(256, ge=MIN_CALIB_SEQ_LEN)
 
 
 class Recipe(_Strict):
