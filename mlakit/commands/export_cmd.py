@@ -6,8 +6,7 @@ import json
 
 import click
 
-from ..export import ExportOptions, export
-from ..export.deepseek_v3 import BIAS_POLICIES
+from ..choices import BIAS_POLICIES
 from .common import user_errors, verbosity_options
 
 __all__ = ["export_command", "export_options"]
@@ -56,12 +55,14 @@ def export_options(fn):
     help="Export dtype; auto keeps OUT's. float16 is refused (see --help of the format).",
 )
 @export_options
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it is an earlier mlakit output or empty.")
 @click.option("--no-verify", is_flag=True, help="Skip comparing the export's logits with OUT's.")
 @verbosity_options
 @user_errors
 def export_command(out, dest, fmt, dtype, biases, clip_context, overwrite, no_verify, quiet):
     """Export the native mlakit checkpoint OUT (written by `mla-convert convert`) to DEST in another format."""
+    from ..export import ExportOptions, export
+
     opts = ExportOptions(
         format=fmt,
         dtype=dtype,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -181,12 +182,15 @@ class OutputClaim:
 
     def acquire(self) -> None:
         path = lock_path(self.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                import fcntl
-
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as exc:
+                raise OSError(
+                    f"cannot create {self.out} ({exc.strerror}: {exc.filename}); choose a writable location",
+                ) from exc
+            try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
@@ -269,6 +273,11 @@ class OutputClaim:
                     f"was not replaced. Remove it by hand (rm -r {out}) if you mean to, and rerun"
                 )
             if _rename(tmp, out, _RENAME_EXCHANGE):
+                if not _replaceable(tmp, self.markers):  # filled between the check and the swap: swap back
+                    _rename(tmp, out, _RENAME_EXCHANGE)
+                    raise OutputExistsError(
+                        f"{out} changed while it was being replaced; it was left as it was"
+                    )
                 _write_marker(tmp)  # TMP now holds the old OUT: a killed run leaves it to the next one
                 shutil.rmtree(tmp, ignore_errors=True)
                 return

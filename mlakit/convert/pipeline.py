@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..recipes import MIN_CALIB_SEQ_LEN
+from ..choices import DTYPE_NAMES, MIN_CALIB_SEQ_LEN
 from .assemble import (
     check_finite_tensors,
     check_shapes,
@@ -40,8 +40,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16,
+                                torch.float16)))
 
 
 class ConversionError(ValueError):

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["AUTO_MAP", "MODEL_FILES", "save_state_dict", "write_json", "write_modeling_code"]
+# the publisher moved to output_dir; these names stay importable from here for existing callers
+from .output_dir import OutputExistsError, atomic_output
+
+__all__ = [
+    "AUTO_MAP", "MODEL_FILES", "OutputExistsError", "atomic_output", "save_state_dict", "write_json",
+    "write_modeling_code",
+]
 
 log = logging.getLogger(__name__)
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..choices import BIAS_POLICIES
+
 __all__ = [
     "BIAS_POLICIES",
     "EXPORT_DTYPES",
@@ -69,7 +71,6 @@ EXPORT_DTYPES = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-BIAS_POLICIES = ("refuse", "drop", "hf-exact")
 # Rope types whose scaling is a function of each frequency alone, so it commutes with picking a
 # sub-table; yarn/dynamic/longrope also depend on the head dim or the sequence length.
 STOCK_ROPE_TYPES = ("default", "linear", "llama3")

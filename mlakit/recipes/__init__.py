@@ -15,13 +15,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+from ..choices import MIN_CALIB_SEQ_LEN
 
-# The rotary selection weighs each component by its attention at every query-key distance
-# (``calibration``'s lag profile, weighted by 1 - cos(theta * lag)); a 1-token sequence has only
-# distance 0, where every weight is 0, so it could not tell rotary components apart. Two tokens
-# give one non-zero distance: the least the statistics need (longer ones measure more of them).
-MIN_CALIB_SEQ_LEN = 2
+__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
 
 
 class RecipeError(ValueError):
