@@ -111,4 +111,4 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
         "verify": report.get("verify"),
         "seconds": report["seconds"],
     }
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(summary, indent=2, allow_nan=False))

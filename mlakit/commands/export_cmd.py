@@ -82,5 +82,6 @@ def export_command(out, dest, fmt, dtype, biases, clip_context, overwrite, no_ve
                 "seconds": report["seconds"],
             },
             indent=2,
+            allow_nan=False,
         )
     )

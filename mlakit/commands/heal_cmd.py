@@ -146,4 +146,4 @@ def heal_command(out, dest, quiet, **flags):
         "heldout_nll_teacher": round(before["teacher_nll"], 5),
         "train_seconds": report["train_seconds"],
     }
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(summary, indent=2, allow_nan=False))

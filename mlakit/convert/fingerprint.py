@@ -18,7 +18,8 @@ __all__ = ["WEIGHT_PATTERNS", "content_fingerprint", "describe_fingerprint", "fi
 
 log = logging.getLogger(__name__)
 
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.pt", "*.gguf", "config.json")
+# the weights a loader reads: safetensors when a directory has them (as from_pretrained prefers), else pickles
+WEIGHT_PATTERNS = (("*.safetensors",), ("pytorch_model*.bin", "*.pt"))
 _CHUNK = 16 * 1024 * 1024
 
 
@@ -32,12 +33,18 @@ def file_sha256(path: Path) -> str:
 
 def content_fingerprint(path) -> dict:
     """{"path", "files": [[name, size, sha256], ...], "digest"} of a checkpoint PATH: a weight file
-    (e.g. a .gguf) or a directory (its weight files and config.json)."""
+    (e.g. a .gguf) or a directory (the weight files its loader reads, ``WEIGHT_PATTERNS``, and
+    config.json)."""
     path = Path(path).expanduser().resolve()
     if path.is_file():
         files = [path]
     else:
-        files = sorted({p for pattern in WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()})
+        files = []
+        for patterns in WEIGHT_PATTERNS:
+            files = sorted({p for pattern in patterns for p in path.glob(pattern) if p.is_file()})
+            if files:
+                break
+        files += [path / "config.json"] if (path / "config.json").is_file() else []
     tick = time.time()
     entries = [[p.name, p.stat().st_size, file_sha256(p)] for p in files]
     log.debug("fingerprinted %s (%d files) in %.1f s", path, len(files), time.time() - tick)

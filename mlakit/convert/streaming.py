@@ -99,7 +99,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: spilled statistics hold the error curve itself, not its log
+STATE_VERSION = 3  # 2: spilled statistics hold the error curve itself, not its log; 3: source content hashed
 
 
 @dataclass

@@ -109,6 +109,11 @@ def _mismatch(old: dict, new: dict) -> str:
     """What differs between the fingerprint OLD of an interrupted run and NEW, in words."""
     from .fingerprint import describe_fingerprint
 
+    if old.get("version") != new.get("version"):
+        return (
+            f"it was written by another mlakit version (work directory format {old.get('version')}, this one "
+            f"reads {new.get('version')})"
+        )
     changed = sorted(
         k
         for k in set(old.get("settings", {})) | set(new["settings"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mlakit.convert.output_dir import check_output, claim_output
+from mlakit.convert.output_dir import check_output, claim_output, local_paths
 
 from .data import open_training_data
 from .loss import distill_loss
@@ -254,13 +254,13 @@ def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None) -> 
     _check_options(opts)
     out, dest = Path(out).expanduser(), Path(dest).expanduser()
     _read_student_config(out)
-    check_output(dest, opts.overwrite, sources=[out])
+    check_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
     work_dir = Path(opts.work_dir).expanduser() if opts.work_dir else dest.with_name(dest.name + ".heal-work")
     start_wall = time.time()
 
     accelerator = Accelerator()
     with (
-        claim_output(dest, opts.overwrite, sources=[out])
+        claim_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
         if accelerator.is_main_process
         else (contextlib.nullcontext()) as claim
     ):
