@@ -27,9 +27,10 @@ def __getattr__(name: str):
 
 
 def _register() -> None:
-    from .mla_model import register_auto_classes
-
-    register_auto_classes()
+    """Import ``mla_model``, which registers the Auto classes as it loads. When it is being imported
+    right now (its own import of transformers got here), it registers at its end."""
+    if f"{__name__}.mla_model" not in sys.modules:
+        importlib.import_module(".mla_model", __name__)
 
 
 class _RegisterAfter(importlib.abc.Loader):

@@ -322,18 +322,36 @@ def test_cli_import_does_not_import_torch():
     assert proc.stdout.strip() == "", f"imported at --help: {proc.stdout.strip()}"
 
 
-def test_registration_still_happens_when_transformers_is_imported_later(tmp_path):
-    script = textwrap.dedent("""
-        import mlakit
-        from transformers import AutoConfig
-        from mlakit.mla_model import MLAConfig
-        print(AutoConfig.for_model(MLAConfig.model_type).__class__.__name__)
-    """)
+def test_python_dash_m_runs_the_cli():
     proc = subprocess.run(
-        [sys.executable, "-c", script],
+        [sys.executable, "-m", "mlakit.cli", "convert", "--help"],
         capture_output=True,
         text=True,
         timeout=120,
         env=os.environ | {"PYTHONPATH": str(ROOT)},
     )
-    assert proc.returncode == 0 and proc.stdout.strip() == "MLAConfig", proc.stderr[-2000:]
+    assert proc.returncode == 0 and "Usage:" in proc.stdout and "--calib-seq-len" in proc.stdout, proc.stderr
+
+
+def test_registration_still_happens_when_transformers_is_imported_later():
+    """Whoever imports transformers first (the user, or mlakit's own model code), the Auto classes
+    are registered, without a warning."""
+    script = textwrap.dedent("""
+        import sys
+        import mlakit
+        if sys.argv[1] == "via-mlakit":
+            import mlakit.convert.assemble  # mlakit's own code imports transformers first
+        from transformers import AutoConfig
+        from mlakit.mla_model import MLAConfig
+        print(AutoConfig.for_model(MLAConfig.model_type).__class__.__name__)
+    """)
+    for first in ("via-transformers", "via-mlakit"):
+        proc = subprocess.run(
+            [sys.executable, "-c", script, first],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=os.environ | {"PYTHONPATH": str(ROOT)},
+        )
+        assert proc.returncode == 0 and proc.stdout.strip() == "MLAConfig", proc.stderr[-2000:]
+        assert "could not register" not in proc.stderr, proc.stderr[-2000:]

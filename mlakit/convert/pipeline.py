@@ -32,7 +32,7 @@ from .stream_memory import return_free_memory
 from .writer import AUTO_MAP, save_state_dict, write_json, write_modeling_code
 
 __all__ = [
-    "MIN_CALIB_SEQ_LEN", "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate",
+    "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate",
     "check_calibration", "check_ranks", "convert", "logit_report",
     "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity",
     "resolve_allocation", "sensitivity_sequences", "resolve_dtype", "resolve_lowrank", "verify_token_ids",
