@@ -28,3 +28,7 @@ for command in (convert_command, eval_command, bench_command, inspect_command, h
 def main():
     setup_logging(0)
     cli()
+
+
+if __name__ == "__main__":  # `python -m mlakit.cli ...` ran nothing and exited 0 without this
+    main()

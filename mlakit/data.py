@@ -109,14 +109,14 @@ def _parse_hf(spec: str, role: str) -> tuple[str, str | None, str]:
     return name, config, split
 
 
-def _load_hf(spec: str, role: str) -> str:
+def _load_hf(spec: str, role: str, flag: str = "--data") -> str:
     name, config, split = _parse_hf(spec, role)
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is a dependency
         raise DataSpecError(
             f"data spec {spec!r} needs the 'datasets' package, which is not installed. "
-            "Fix: pip install datasets, or use --data builtin or a local text file."
+            f"Fix: pip install datasets, or use {flag} builtin or a local text file."
         ) from exc
     logger.info("loading dataset %s (config %s, split %s)", name, config, split)
     try:
@@ -125,7 +125,7 @@ def _load_hf(spec: str, role: str) -> str:
         raise DataSpecError(
             f"data spec {spec!r}: could not load dataset {name!r} (config {config!r}, split {split!r}): "
             f"{type(exc).__name__}: {exc}. Without network access the hub cannot be reached. "
-            "Fix: use --data builtin (offline text) or the path of a local text file, or check the "
+            f"Fix: use {flag} builtin (offline text) or the path of a local text file, or check the "
             "dataset name, config and split."
         ) from exc
     columns = list(getattr(dataset, "column_names", None) or [])
@@ -137,7 +137,7 @@ def _load_hf(spec: str, role: str) -> str:
     return "\n\n".join(row for row in dataset["text"] if row)
 
 
-def load_text(spec: str, role: str) -> str:
+def load_text(spec: str, role: str, flag: str = "--data") -> str:
     """Return the text named by ``spec`` for ``role`` ("eval" or "calib").
 
     ``builtin`` gives disjoint text for the two roles; a file or a dataset split gives the
@@ -145,23 +145,23 @@ def load_text(spec: str, role: str) -> str:
     """
     _check_role(role)
     if not isinstance(spec, str) or not spec.strip():
-        raise DataSpecError(f"data spec {spec!r} is empty; {ALLOWED_FORMS}. Fix: pass --data builtin.")
+        raise DataSpecError(f"data spec {spec!r} is empty; {ALLOWED_FORMS}. Fix: pass {flag} builtin.")
     spec = spec.strip()
     if spec == BUILTIN_SPEC:
         text = _load_builtin(role)
     elif spec.startswith(HF_PREFIX):
-        text = _load_hf(spec, role)
+        text = _load_hf(spec, role, flag)
     elif Path(spec).expanduser().exists():
         text = _load_file(spec)
     else:
         raise DataSpecError(
             f"data spec {spec!r} is not 'builtin', not an 'hf:' dataset and no file of that name "
-            f"exists; {ALLOWED_FORMS}. Fix: correct the path, or use --data builtin."
+            f"exists; {ALLOWED_FORMS}. Fix: correct the path, or use {flag} builtin."
         )
     if not text.strip():
         raise DataSpecError(
             f"data spec {spec!r} gave no text for role {role!r}. Fix: use a non-empty file or dataset, "
-            "or --data builtin."
+            f"or {flag} builtin."
         )
     logger.info("data %s (%s): %d characters", spec, role, len(text))
     return text
@@ -184,7 +184,9 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def calibration_batches(tokenizer, spec: str, n_samples: int, seq_len: int, seed: int) -> torch.Tensor:
+def calibration_batches(
+    tokenizer, spec: str, n_samples: int, seq_len: int, seed: int, flag: str = "--data"
+) -> torch.Tensor:
     """``n_samples`` windows of ``seq_len`` token ids drawn at seeded random offsets.
 
     Returns a LongTensor of shape (n_samples, seq_len). Windows are distinct offsets while
@@ -192,12 +194,12 @@ def calibration_batches(tokenizer, spec: str, n_samples: int, seq_len: int, seed
     """
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be >= 1, got n_samples={n_samples}, seq_len={seq_len}")
-    ids = tokenize_text(tokenizer, load_text(spec, "calib"))
+    ids = tokenize_text(tokenizer, load_text(spec, "calib", flag))
     n_tokens = int(ids.numel())
     if n_tokens < seq_len:
         raise DataSpecError(
             f"calibration data {spec!r} has {n_tokens} tokens, fewer than one window of seq_len={seq_len}. "
-            "Fix: lower the calibration sequence length, or use a longer text (e.g. --data builtin)."
+            f"Fix: lower the calibration sequence length, or use a longer text (e.g. {flag} builtin)."
         )
     n_starts = n_tokens - seq_len + 1
     generator = torch.Generator().manual_seed(int(seed))

@@ -47,9 +47,18 @@ def test_existing_output_needs_overwrite(tiny_sources, tmp_path):
     code, text = run(tiny_sources["llama_gqa"], out)
     assert code == 1 and "already exists" in text and "--overwrite" in text
     assert (out / "keep.txt").exists()
+    code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--no-verify")  # not an mlakit output
+    assert code == 1 and "not an mlakit output" in text and "rm -r" in text, text
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()  # empty: replaceable
     code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--no-verify")
     assert code == 0, text
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists()
+    (out / "extra.txt").write_text("old run")  # an earlier conversion (has conversion.json): replaced
+    code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--no-verify")
+    assert code == 0, text
+    assert not (out / "extra.txt").exists() and (out / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no lock, partial or old copy left
 
 
 def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypatch):

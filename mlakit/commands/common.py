@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
+import sys
 
 import click
 
@@ -17,16 +19,22 @@ log = logging.getLogger(__name__)
 
 
 def setup_logging(verbosity: int) -> None:
+    """Our log level from VERBOSITY; transformers only logs errors (and draws no bars when quiet).
+
+    Before transformers is imported this goes through the variables it reads at import, so that
+    ``--help`` and usage errors never import it (it costs seconds)."""
     level = logging.WARNING if verbosity < 0 else logging.INFO if verbosity == 0 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", force=True)
-    try:
-        from transformers.utils import logging as hf_logging
-
+    if "transformers" not in sys.modules:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
         if verbosity < 0:
-            hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        return
+    from transformers.utils import logging as hf_logging
+
+    if verbosity < 0:
+        hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 def verbosity_options(fn):

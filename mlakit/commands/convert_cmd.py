@@ -6,11 +6,7 @@ import json
 
 import click
 
-from ..convert.engine_target import TARGETS, fit_target
-from ..convert.pipeline import DTYPES
-from ..convert.rank_plan import ALLOCATIONS
-from ..convert.streaming import StreamOptions, resolve_device, run_conversion
-from ..recipes import Recipe, RecipeError
+from ..choices import ALLOCATIONS, DTYPE_NAMES, MIN_CALIB_SEQ_LEN, TARGETS
 from .common import byte_size_type, rank_option_type, user_errors, verbosity_options
 from .export_cmd import export_options
 
@@ -58,9 +54,10 @@ _OVERRIDES = {
                    "cache at most 576 values per layer (nothing to gain). With --format deepseek-v3 also refuses "
                    "what vLLM's DeepSeek model misreads. any: no engine constraint [default: any].")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
-@click.option("--calib-samples", type=int, help="Calibration sequences [default: 128].")
-@click.option("--calib-seq-len", type=int, help="Tokens per calibration sequence [default: 256].")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), help="Output dtype; auto keeps the source's.")
+@click.option("--calib-samples", type=click.IntRange(min=1), help="Calibration sequences [default: 128].")
+@click.option("--calib-seq-len", type=click.IntRange(min=MIN_CALIB_SEQ_LEN),
+              help="Tokens per calibration sequence [default: 256].")
+@click.option("--dtype", type=click.Choice(["auto", *DTYPE_NAMES]), help="Output dtype; auto keeps the source's.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, cuda, cuda:N or auto (cuda when visible): where calibration, the per-layer math and "
                    "verification run.")
@@ -72,7 +69,7 @@ _OVERRIDES = {
 @click.option("--max-memory", type=byte_size_type,
               help="Streaming: host RAM budget (e.g. 4GB, 3.5GiB); picks the calibration batch that fits, or "
                    "fails early naming what to change.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT if it is an earlier mlakit output or empty.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--no-verify", is_flag=True, help="Skip reloading OUT and comparing logits with the source.")
 @click.option("--format", "fmt", type=click.Choice(["native", "deepseek-v3"]), default="native", show_default=True,
@@ -83,6 +80,11 @@ _OVERRIDES = {
 def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet, fmt, biases, rope_scaling,
                     clip_context, pipeline, resume, max_memory, **flags):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
+    # imported here, not at the top: --help and usage errors answer without torch
+    from ..convert.engine_target import fit_target
+    from ..convert.streaming import StreamOptions, resolve_device, run_conversion
+    from ..recipes import Recipe, RecipeError
+
     try:
         base = Recipe.load(recipe) if recipe else Recipe()
     except RecipeError as exc:
@@ -117,4 +119,4 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
         "verify": report.get("verify"),
         "seconds": report["seconds"],
     }
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(summary, indent=2, allow_nan=False))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import click
 
-from mlakit.data import DataSpecError
-from mlakit.eval.samples import DEFAULT_PROMPTS
-
 from .common import (
     compare_device_option,
     compare_dtype_option,
@@ -110,9 +107,11 @@ def eval_command(
 ):
     """Compare a converted MLA model with its original: sliding-window perplexity on the
     same token ids, KV cache bytes per token (config and measured), greedy samples."""
+    from mlakit.data import DataSpecError
     from mlakit.eval.evaluate import EvalSettings, eval_figures, run_eval
     from mlakit.eval.markdown import eval_markdown
     from mlakit.eval.report import check_report_dir, write_report_dir
+    from mlakit.eval.samples import DEFAULT_PROMPTS
 
     if stride is not None and stride >= seq_len:
         raise click.BadParameter(

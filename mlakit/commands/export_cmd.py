@@ -6,9 +6,7 @@ import json
 
 import click
 
-from ..convert.engine_target import TARGETS
-from ..export import ExportOptions, export
-from ..export.engine_rules import BIAS_POLICIES, ROPE_SCALING_POLICIES
+from ..choices import BIAS_POLICIES, ROPE_SCALING_POLICIES, TARGETS
 from .common import user_errors, verbosity_options
 
 __all__ = ["export_command", "export_options"]
@@ -74,7 +72,7 @@ def export_options(fn):
     help="vllm: refuse an export vLLM would refuse or misread (shapes other than 512 + 64, transformers-only "
     "options). any: write it and record in export.json what vLLM would make of it.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it is an earlier mlakit output or empty.")
 @click.option("--no-verify", is_flag=True, help="Skip comparing the export's logits with OUT's.")
 @verbosity_options
 @user_errors
@@ -82,6 +80,8 @@ def export_command(
     out, dest, fmt, dtype, biases, rope_scaling, clip_context, target, overwrite, no_verify, quiet
 ):
     """Export the native mlakit checkpoint OUT (written by `mla-convert convert`) to DEST in another format."""
+    from ..export import ExportOptions, export
+
     opts = ExportOptions(
         format=fmt,
         dtype=dtype,
@@ -104,5 +104,6 @@ def export_command(
                 "seconds": report["seconds"],
             },
             indent=2,
+            allow_nan=False,
         )
     )

@@ -116,7 +116,7 @@ __all__ = ["heal_command"]
 )
 @click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds data order and every RNG.")
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it exists.")
+@click.option("--overwrite", is_flag=True, help="Replace DEST if it is an earlier mlakit output or empty.")
 @verbosity_options
 @user_errors
 def heal_command(out, dest, quiet, **flags):
@@ -146,4 +146,4 @@ def heal_command(out, dest, quiet, **flags):
         "heldout_nll_teacher": round(before["teacher_nll"], 5),
         "train_seconds": report["train_seconds"],
     }
-    click.echo(json.dumps(summary, indent=2))
+    click.echo(json.dumps(summary, indent=2, allow_nan=False))

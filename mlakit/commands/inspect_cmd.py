@@ -5,20 +5,18 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
-from tqdm.auto import tqdm
 
-from ..convert.assemble import read_attention
-from ..convert.families import attention_shape
-from ..convert.inspect_model import latent_energy_kept, layer_spectra, spectra_summary
-from ..convert.layer_metrics import layer_metrics
-from ..convert.pipeline import ConversionError, ConvertOptions, build_layers, calibrate, method_of
-from ..convert.rank_plan import ALLOCATIONS, budget_rope_dim
-from ..convert.source import open_source
-from ..convert.writer import atomic_output, write_json
+from ..choices import ALLOCATIONS
 from .common import user_errors, verbosity_options
+
+if TYPE_CHECKING:
+    from ..convert.pipeline import ConvertOptions
+
+# The conversion modules (torch, transformers) are imported in the functions that use them, so that
+# `mla-convert --help` and usage errors answer without loading them.
 
 __all__ = ["format_table", "inspect_command", "inspect_source", "spectra_figure"]
 
@@ -28,6 +26,9 @@ THRESHOLDS = (0.9, 0.99)
 
 def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
     """Fail before calibrating when the budget cannot hold the shared rope dims plus rank 4 per layer."""
+    from ..convert.pipeline import ConversionError
+    from ..convert.rank_plan import budget_rope_dim
+
     per_layer = 2 * shape["num_kv_heads"] * shape["head_dim"]
     budget = int(kv_budget * n_layers * per_layer)
     d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], budget / n_layers)
@@ -42,6 +43,9 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
 
 def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
+    from ..convert.inspect_model import latent_energy_kept
+    from ..convert.pipeline import build_layers, method_of
+
     built, plan = build_layers(ws, ms, shape, opts, quiet=opts.quiet)
     method = method_of(opts, shape)
     rows = [
@@ -67,6 +71,16 @@ def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
 
 def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...] = THRESHOLDS) -> dict:
     """Calibrate SRC once and return the inspection report (JSON-ready)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..convert.assemble import read_attention
+    from ..convert.families import attention_shape
+    from ..convert.inspect_model import layer_spectra, spectra_summary
+    from ..convert.layer_metrics import layer_metrics
+    from ..convert.pipeline import calibrate
+    from ..convert.source import open_source
+
     start = time.time()
     torch.manual_seed(opts.seed)
     source = open_source(src)
@@ -286,6 +300,10 @@ def _budget(ctx, param, value):
 @user_errors
 def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_len, out, device, quiet):
     """Per-layer K/V/rotary spectra of SRC (model directory, .gguf file, hub id, or 'default')."""
+    from ..convert.output_dir import atomic_output
+    from ..convert.pipeline import ConvertOptions
+    from ..convert.writer import write_json
+
     out_path = _check_out(out) if out else None
     opts = ConvertOptions(
         kv_budget=kv_budget,
@@ -300,7 +318,7 @@ def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_
     click.echo(format_table(report))
     if out_path is not None:
         fig = spectra_figure(report)
-        with atomic_output(out_path, overwrite=True) as tmp:
+        with atomic_output(out_path, overwrite=True, markers=(REPORT_JSON,)) as tmp:
             write_json(tmp / REPORT_JSON, report)
             fig.savefig(tmp / FIGURE_PNG, dpi=110)
         click.echo(f"wrote {out_path / REPORT_JSON} and {out_path / FIGURE_PNG}")

@@ -15,7 +15,7 @@ from .families import LAYER_PREFIX
 from .mla_layer import AttentionWeights, MLAWeights
 from .source import Source, SourceError
 
-__all__ = ["ATTN_PROJ", "check_source_tensors", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
+__all__ = ["ATTN_PROJ", "IGNORED_BUFFERS", "check_finite_tensors", "check_source_tensors", "is_ignored_buffer", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DROP_CONFIG_KEYS = (
@@ -33,20 +33,54 @@ def _augmented(source: Source, prefix: str, name: str, with_bias: bool) -> torch
     return torch.cat([weight, bias[:, None]], dim=1)
 
 
+# Buffers some checkpoints carry that the model recomputes (older HF Llama exports save each
+# layer's rotary table): read by neither pipeline.
+IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
+
+
+def is_ignored_buffer(name: str) -> bool:
+    return name.endswith(IGNORED_BUFFERS)
+
+
 def check_source_tensors(source: Source) -> None:
     """Fail before any work when SOURCE lacks a tensor its architecture has (loading would fill it
-    with random values, and the conversion would fail only at the end)."""
+    with random values, and the conversion would fail only at the end), holds one the architecture
+    does not know, or holds one of another shape than config.json implies."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        expected = set(AutoModelForCausalLM.from_config(source.config).state_dict())
-    if getattr(source.config, "tie_word_embeddings", False):
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - set(source.tensor_names()))
+        expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(source.config).state_dict().items()}
+    tied = getattr(source.config, "tie_word_embeddings", False)
+    if tied:
+        expected.pop("lm_head.weight", None)
+    names = set(source.tensor_names())
+    missing = sorted(set(expected) - names)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise SourceError(f"{source.spec}: tensor {missing[0]} is missing from the checkpoint{more}; "
                           f"the checkpoint is incomplete, re-download or re-export it")
+    unknown = sorted(n for n in names - set(expected) if not is_ignored_buffer(n) and not (tied and n == "lm_head.weight"))
+    if unknown:
+        arch = type(source.config).__name__.removesuffix("Config")
+        raise SourceError(
+            f"{source.spec}: {len(unknown)} tensor(s) are not part of the {arch} architecture its config.json "
+            f"describes: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}. mlakit does not know "
+            f"where they belong; remove them from the checkpoint, or fix config.json"
+        )
+    for name, want in sorted(expected.items()):
+        got = tuple(source.tensor_shape(name))
+        if got != want:
+            raise SourceError(
+                f"{source.spec}: tensor {name} has shape {got}, but config.json implies {want}; the weights "
+                f"and config.json do not belong together (re-download or re-export the checkpoint)"
+            )
+
+
+def check_finite_tensors(source: Source) -> None:
+    """Read every source tensor once (one at a time): a NaN or infinity is a SourceError naming it."""
+    for name in source.tensor_names():
+        if not is_ignored_buffer(name):
+            source.tensor(name)  # Source.tensor checks each tensor it returns
 
 
 def read_attention(source: Source, layer: int, shape: dict) -> AttentionWeights:
@@ -91,7 +125,7 @@ def copied_tensors(source: Source, num_layers: int, tie_embeddings: bool) -> Ite
         for kind in ("weight", "bias")
     }
     for name in source.tensor_names():
-        if name in consumed or name.endswith("rotary_emb.inv_freq"):
+        if name in consumed or is_ignored_buffer(name):
             continue
         if tie_embeddings and name == "lm_head.weight":
             continue

@@ -18,6 +18,8 @@ import logging
 from collections.abc import Collection
 from dataclasses import fields, replace
 
+from ..choices import TARGETS
+
 __all__ = [
     "TARGETS",
     "TargetError",
@@ -31,7 +33,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("any", "vllm")
 VLLM_MLA_RANK = 512
 VLLM_MLA_ROPE_DIM = 64
 VLLM_MLA_WIDTHS = (

@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..choices import DTYPE_NAMES, MIN_CALIB_SEQ_LEN
 from .assemble import (
+    check_finite_tensors,
     check_shapes,
     check_source_tensors,
     copied_tensors,
@@ -23,22 +25,24 @@ from .compress import Method, compress_layer
 from .engine_target import check_target_shape, fit_target
 from .families import attention_shape
 from .layer_metrics import layer_metrics
+from .output_dir import check_output, claim_output, local_paths
 from .rank_plan import ALLOCATIONS, FISHER_STEP, plan_budget
 from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
-from .source import Source, open_source
+from .source import Source, open_source, resolve_source
 from .stream_memory import return_free_memory
-from .writer import AUTO_MAP, atomic_output, save_state_dict, write_json, write_modeling_code
+from .writer import AUTO_MAP, save_state_dict, write_json, write_modeling_code
 
 __all__ = [
-    "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate", "check_ranks", "convert",
+    "ConversionError", "ConvertOptions", "assemble_state", "build_layers", "calibrate",
+    "check_calibration", "check_ranks", "convert", "logit_report",
     "budget_values", "cached_share", "calibration_ids", "method_of", "needs_calibration", "needs_sensitivity",
     "resolve_allocation", "sensitivity_sequences", "resolve_dtype", "resolve_lowrank", "verify_token_ids",
 ]
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16,
+                                torch.float16)))
 
 
 class ConversionError(ValueError):
@@ -111,6 +115,17 @@ def check_ranks(opts: ConvertOptions, shape: dict) -> tuple[int, int]:
     return rank, rope_dim
 
 
+def check_calibration(opts: ConvertOptions) -> None:
+    """Calibration sizes, checked before any work (the CLI's ranges say the same)."""
+    if int(opts.calib_samples) < 1:
+        raise ConversionError(f"--calib-samples must be >= 1 (calibration sequences); got {opts.calib_samples}")
+    if int(opts.calib_seq_len) < MIN_CALIB_SEQ_LEN:
+        raise ConversionError(
+            f"--calib-seq-len must be >= {MIN_CALIB_SEQ_LEN} tokens per calibration sequence; got "
+            f"{opts.calib_seq_len}"
+        )
+
+
 def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
 
@@ -175,7 +190,7 @@ def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> to
     if tokenizer is None:
         raise ConversionError(f"{source.spec} has no tokenizer files, so calibration text cannot be tokenized; "
                               f"add the tokenizer to the model directory")
-    return calibration_batches(tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.seed)
+    return calibration_batches(tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.seed, flag="--calib")
 
 
 def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
@@ -271,11 +286,16 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
         opts = resolve_allocation(fit_target(opts or ConvertOptions()))
     except ValueError as exc:
         raise ConversionError(str(exc)) from exc
+    check_calibration(opts)
     torch.manual_seed(opts.seed)
     start = time.time()
-    out = Path(out)
-    if out.exists() and not opts.overwrite:
-        raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
+    check_output(out, opts.overwrite, local_paths(src))  # before the source is resolved (a hub id downloads)
+    _, src_path = resolve_source(src)
+    with claim_output(out, opts.overwrite, sources=[src_path]) as claim:
+        return _convert(claim, src, opts, recipe, precheck, start)
+
+
+def _convert(claim, src: str, opts: ConvertOptions, recipe, precheck, start: float) -> dict:
     source = open_source(src)
     phases = {"open": time.time() - start}
     shape = attention_shape(source.config)
@@ -287,6 +307,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     dtype = resolve_dtype(opts.dtype, source.config)
     n_layers = source.config.num_hidden_layers
     check_source_tensors(source)  # fail before calibrating
+    check_finite_tensors(source)
     stats = None
     if needs_calibration(opts, shape):
         stats = calibrate(source, shape, opts)
@@ -316,7 +337,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
     }
     report["kv_values_per_token"] = sum(w.kv_lora_rank + w.rope_dim for w in layers)
     report["source_kv_values_per_token"] = report["source_kv_values_per_token_per_layer"] * len(layers)
-    with atomic_output(out, opts.overwrite) as tmp:
+    with claim.staging() as tmp:
         save_state_dict(state, tmp)
         del state, layers  # the converted weights are on disk now; verification reloads them
         source.release()
@@ -331,7 +352,7 @@ def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recip
         report["seconds"] = round(time.time() - start, 2)
         report["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
         write_json(tmp / "conversion.json", report)
-    log.info("wrote %s in %.1f s", out, time.time() - start)
+    log.info("wrote %s in %.1f s", claim.out, time.time() - start)
     return report
 
 
@@ -372,6 +393,18 @@ def verify(reference: tuple[torch.Tensor, torch.Tensor], converted_dir: Path, de
 
     ids, want = reference
     got = load_converted(converted_dir, torch.float32, device)(ids).logits.cpu()
+    return logit_report(got, want)
+
+
+def logit_report(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """The verification entries of both pipelines; a non-finite converted logit is a ConversionError."""
+    bad = int((~torch.isfinite(got)).sum())
+    if bad:
+        raise ConversionError(
+            f"verification failed: {bad} of {got.numel()} converted logits are NaN or infinite (the source's "
+            f"{'are' if torch.isfinite(want).all() else 'are not'} all finite); the converted model is broken, "
+            f"nothing was published. Check the source weights and the dtype (float16 overflows: try bfloat16)"
+        )
     diff = (got - want).abs()
-    return {"tokens": ids.shape[1], "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
+    return {"tokens": got.shape[1], "max_abs_logit_diff": float(diff.max()), "mean_abs_logit_diff": float(diff.mean()),
             "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean())}

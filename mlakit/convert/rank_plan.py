@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from ..choices import ALLOCATIONS
 from .compress import Method, compress_layer, layer_plan
 from .layer_metrics import LayerMetrics
 from .low_rank import metric_energy, output_metric
@@ -148,7 +149,6 @@ def uniform_ranks(n_layers: int, num_kv_heads: int, head_dim: int, d_r: int, ran
     return [min(2 * num_kv_heads * head_dim - d_r, rank_budget // n_layers)] * n_layers
 
 
-ALLOCATIONS = ("auto", "uniform", "planned", "fisher")
 FISHER_STEP = 0.5  # how far the fisher allocation moves from uniform ranks toward the KL-optimal ones
 
 

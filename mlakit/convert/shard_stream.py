@@ -186,7 +186,7 @@ class ShardStreamWriter:
                 "metadata": {"total_size": self.layout.total_bytes()},
                 "weight_map": self.layout.weight_map(),
             }
-            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (self.directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, allow_nan=False) + "\n")
         return list(self.layout.files)
 
 

@@ -62,6 +62,7 @@ class Source:
     gguf_file: Path | None = None
     _tensors: dict = field(default_factory=dict, repr=False)
     _shards: dict = field(default_factory=dict, repr=False)  # name -> safetensors file
+    _shapes: dict = field(default_factory=dict, repr=False)  # name -> shape, of the safetensors tensors
     _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
     _tokenizer: object = field(default=None, repr=False)
 
@@ -89,9 +90,18 @@ class Source:
     def tensor_names(self) -> list[str]:
         return sorted(set(self._tensors) | set(self._shards))
 
-    def tensor(self, name: str) -> torch.Tensor:
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor NAME, read from the safetensors header (no data read)."""
         if name in self._tensors:
-            return self._tensors[name]
+            return tuple(self._tensors[name].shape)
+        if name not in self._shapes:
+            raise SourceError(f"{self.spec}: tensor {name} is missing from the checkpoint")
+        return tuple(self._shapes[name])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """Tensor NAME; a NaN or infinity in it is a SourceError (naming it and the count)."""
+        if name in self._tensors:
+            return _finite(self.spec, name, self._tensors[name])
         if name not in self._shards:
             raise SourceError(f"{self.spec}: tensor {name} is missing from the checkpoint")
         from safetensors import safe_open
@@ -99,9 +109,10 @@ class Source:
         path = self._shards[name]
         try:
             with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(name)
+                t = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             raise SourceError(f"{path} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
+        return _finite(self.spec, name, t)
 
     def release(self) -> None:
         """Drop the weights held in memory (GGUF sources and pickles); safetensors stay on disk."""
@@ -124,6 +135,18 @@ class Source:
         return AutoTokenizer.from_pretrained(str(self.directory))
 
 
+def _finite(spec: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            nan = int(torch.isnan(t).sum())
+            raise SourceError(
+                f"{spec}: tensor {name} holds {bad} non-finite values ({nan} NaN, {bad - nan} infinite) of "
+                f"{t.numel()}; the checkpoint is damaged, re-download or re-export it"
+            )
+    return t
+
+
 def resolve_source(spec: str) -> tuple[str, Path]:
     """Classify SPEC without reading weights: ("gguf", file) or ("dir", directory)."""
     spec = str(spec)
@@ -136,9 +159,24 @@ def resolve_source(spec: str) -> tuple[str, Path]:
                 return "gguf", path
             raise SourceError(f"{path} is a file but not a .gguf; pass a model directory (with config.json) or a GGUF file")
         return "dir", path
+    if _looks_local(spec, path):
+        raise SourceError(
+            f"source {spec!r} does not exist: no file or directory {path.absolute()}"
+            f"{'' if path.parent.exists() else f' (not even {path.parent})'}; check the path (a model directory, "
+            f"a .gguf file, a hub id OWNER/NAME, or 'default')"
+        )
     if _HUB_ID.match(spec):
         return "dir", _download(spec)
     raise SourceError(f"source {spec!r} does not exist: pass a model directory, a .gguf file, a hub id, or 'default'")
+
+
+def _looks_local(spec: str, path: Path) -> bool:
+    """Whether a SPEC that names no existing path was meant as a local path, not a hub id: it starts
+    like a path (/, ./, ../, ~), has more than one '/', ends in a weight-file suffix, or its first
+    part (the would-be hub owner) is a local directory, as in ``src/does_not_exist``."""
+    if spec.startswith(("/", "./", "../", "~")) or spec.count("/") != 1 or path.suffix in (".gguf", ".safetensors"):
+        return True
+    return Path(spec.split("/")[0]).is_dir()
 
 
 def open_source(spec: str) -> Source:
@@ -192,10 +230,11 @@ def _open_dir(directory: Path, spec: str) -> Source:
         for shard in shards:
             try:
                 with safe_open(str(shard), framework="pt") as f:
-                    names = list(f.keys())
+                    shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
             except Exception as exc:
                 raise SourceError(f"{shard} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
-            source._shards.update(dict.fromkeys(names, shard))
+            source._shards.update(dict.fromkeys(shapes, shard))
+            source._shapes.update(shapes)
         return source
     bins = sorted(directory.glob("pytorch_model*.bin")) + sorted(directory.glob("*.pt"))
     if not bins:

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 from .assemble import (
     check_shapes,
     check_source_tensors,
+    is_ignored_buffer,
     mla_config,
     mla_layer_tensors,
     model_shapes,
@@ -58,17 +59,21 @@ from .calibration import (
 from .compress import compress_layer
 from .engine_target import check_target_shape, fit_target
 from .families import LAYER_PREFIX, attention_shape
+from .fingerprint import content_fingerprint
 from .layer_metrics import layer_metrics
 from .layer_runner import MLALayers, SourceLayers
 from .mla_layer import AttentionWeights
+from .output_dir import OutputExistsError, check_output, claim_output, local_paths
 from .pipeline import (
     ConversionError,
     ConvertOptions,
     _write_tokenizer_files,
     budget_values,
     calibration_ids,
+    check_calibration,
     check_ranks,
     effective_recipe,
+    logit_report,
     method_of,
     needs_calibration,
     resolve_allocation,
@@ -79,10 +84,10 @@ from .pipeline import (
 )
 from .rank_plan import budget_layout, error_curve, ranks_from_curves, uniform_ranks
 from .shard_stream import Cursor, ShardLayout, ShardStreamWriter, read_header
-from .source import open_source
+from .source import SourceError, open_source, resolve_source
 from .stream_memory import choose_batch_size, estimate_sweep_bytes
-from .work_dir import HiddenStore, WorkDir, work_dir_for
-from .writer import AUTO_MAP, check_output, publish, write_json, write_modeling_code
+from .work_dir import HiddenStore, WorkDir, open_work_dir, work_dir_for
+from .writer import AUTO_MAP, write_json, write_modeling_code
 
 __all__ = [
     "PIPELINES",
@@ -95,7 +100,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 2  # 2: spilled statistics hold the error curve itself, not its log
+STATE_VERSION = 3  # 2: spilled statistics hold the error curve itself, not its log; 3: source content hashed
 
 
 @dataclass
@@ -173,14 +178,16 @@ class _StreamingConversion:
                 cfg, shape, opts.calib_seq_len, stream.batch_size, stream.max_memory, opts.device, sweep
             )
         names = source.tensor_names()
-        self.layer_names = [[m for m in names if m.startswith(LAYER_PREFIX.format(i=i))] for i in range(n)]
+        self.layer_names = [
+            [m for m in names if m.startswith(LAYER_PREFIX.format(i=i)) and not is_ignored_buffer(m)] for i in range(n)
+        ]
         in_layers = {m for ns in self.layer_names for m in ns}
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.global_names = [
             m
             for m in names
             if m not in in_layers
-            and not m.endswith("rotary_emb.inv_freq")
+            and not is_ignored_buffer(m)
             and not (self.tied and m == "lm_head.weight")
         ]
         self.head_name = (
@@ -194,11 +201,10 @@ class _StreamingConversion:
     def fingerprint(self) -> dict:
         """What must match for a work directory to be resumed."""
         settings = {k: v for k, v in asdict(self.opts).items() if k not in ("device", "overwrite", "quiet")}
-        files = sorted({(p.name, p.stat().st_size) for p in map(Path, self.source._shards.values())})
         return {
             "version": STATE_VERSION,
             "source": str(self.source.directory.resolve()),
-            "source_files": [list(f) for f in files],
+            "source_content": content_fingerprint(self.source.directory),  # names and sizes are not enough
             "settings": settings,
             "max_shard_bytes": self.stream.max_shard_bytes,
         }
@@ -464,44 +470,7 @@ class _Runner:
         mla_layers = MLALayers(c.placeholder_config(self.state["ranks"]), c.device)
         want = self.src_layers.logits(self.verify_src, want_in, "head")
         got = mla_layers.logits(self.verify_mla, got_in, "head")
-        diff = (got - want).abs()
-        return {
-            "tokens": got.shape[1],
-            "max_abs_logit_diff": float(diff.max()),
-            "mean_abs_logit_diff": float(diff.mean()),
-            "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
-            "method": "layer-wise",
-        }
-
-
-def _open_work_dir(work: WorkDir, fingerprint: dict, resume: bool) -> dict:
-    state = work.state() if work.path.is_dir() else None
-    if work.path.exists() and state is None:
-        shutil.rmtree(work.path)  # interrupted before its first commit: nothing to keep
-    if state is not None:
-        if not resume:
-            raise ConversionError(
-                f"{work.path} holds an interrupted conversion ({len(state.get('layers', []))} "
-                f"layers done); pass --resume to continue it, or delete that directory to start over"
-            )
-        if state.get("fingerprint") != fingerprint:
-            old = state.get("fingerprint", {})
-            changed = sorted(
-                k
-                for k in set(old.get("settings", {})) | set(fingerprint["settings"])
-                if old.get("settings", {}).get(k) != fingerprint["settings"].get(k)
-            )
-            what = f"settings {', '.join(changed)}" if changed else "the source checkpoint or format version"
-            raise ConversionError(
-                f"cannot resume {work.path}: {what} differ from the interrupted run; rerun with "
-                f"the same settings, or delete that directory to start over"
-            )
-        log.info("resuming %s: %d layers done", work.path, len(state["layers"]))
-        return state
-    if resume:
-        log.info("--resume: no interrupted conversion at %s; starting from the first layer", work.path)
-    work.path.mkdir(parents=True)
-    return {"fingerprint": fingerprint, "layers": []}
+        return logit_report(got, want) | {"method": "layer-wise"}
 
 
 def convert_streaming(
@@ -519,19 +488,27 @@ def convert_streaming(
     except ValueError as exc:
         raise ConversionError(str(exc)) from exc
     stream = stream or StreamOptions()
+    check_calibration(opts)
     torch.manual_seed(opts.seed)
     start = time.time()
-    out_path = check_output(out, opts.overwrite)
-    source = open_source(src)
-    if not source.lazy:
+    check_output(out, opts.overwrite, local_paths(src))  # before the source is resolved (a hub id downloads)
+    kind, src_path = resolve_source(src)
+    if kind != "dir" or not any(Path(src_path).glob("*.safetensors")):
         raise ConversionError(
             f"{src} is not a directory of *.safetensors files, so it cannot be read layer by "
             f"layer; use --pipeline in-memory (GGUF and pickle checkpoints load whole)"
         )
+    with claim_output(out, opts.overwrite, sources=[src_path]) as claim:
+        return _convert_streaming(claim, src, opts, stream, recipe, start)
+
+
+def _convert_streaming(claim, src: str, opts: ConvertOptions, stream: StreamOptions, recipe, start: float) -> dict:
+    out_path = claim.out
+    source = open_source(src)
     conv = _StreamingConversion(source, opts, stream)
     opts = conv.opts
     work = WorkDir(work_dir_for(out_path))
-    state = _open_work_dir(work, conv.fingerprint(), stream.resume)
+    state = open_work_dir(work, conv.fingerprint(), stream.resume)
     resumed_from = len(state["layers"])
     if conv.ranks is not None:
         state.setdefault("ranks", conv.ranks)
@@ -552,8 +529,11 @@ def convert_streaming(
             runner.plan()
         timed("convert", runner.convert_pass)
         verify = timed("verify", runner.verify_report) if opts.verify else None
-    except BaseException:
-        if not state.get("layers") and not state.get("stats_done") and not stream.resume:
+    except BaseException as exc:
+        # a damaged source (non-finite or unreadable tensor) must be replaced, and a resume from another
+        # source is refused: the finished layers are worth nothing
+        damaged = isinstance(exc, SourceError)
+        if damaged or (not state.get("layers") and not state.get("stats_done") and not stream.resume):
             shutil.rmtree(work.path, ignore_errors=True)
         else:
             log.warning(
@@ -611,7 +591,10 @@ def convert_streaming(
     report["seconds"] = round(time.time() - start, 2)
     write_json(tmp / "conversion.json", report)
     work.remove_resume_files()
-    publish(tmp, out_path)
+    try:
+        claim.publish(tmp)
+    except OutputExistsError as exc:  # the finished checkpoint is kept: it cost a whole conversion
+        raise OutputExistsError(f"{exc}. The finished checkpoint is in {tmp}; move it where you want it") from exc
     log.info("wrote %s in %.1f s", out_path, time.time() - start)
     return report
 

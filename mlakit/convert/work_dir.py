@@ -12,13 +12,17 @@ is renamed to OUT; the resume-only files are removed first.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["HiddenStore", "WorkDir", "work_dir_for"]
+__all__ = ["HiddenStore", "WorkDir", "open_work_dir", "work_dir_for"]
+
+log = logging.getLogger(__name__)
 
 _RESUME_PREFIXES = ("state.json", "hidden-", "verify.pt", "stats-", "sens-")
 
@@ -46,7 +50,8 @@ class WorkDir:
         return json.loads(path.read_text()) if path.is_file() else None
 
     def commit(self, state: dict) -> None:
-        _replace_atomically(self.path / "state.json", lambda f: f.write(json.dumps(state, indent=1).encode()))
+        text = json.dumps(state, indent=1, allow_nan=False)
+        _replace_atomically(self.path / "state.json", lambda f: f.write(text.encode()))
 
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
         _replace_atomically(self.path / name, lambda f: torch.save(tensors, f))
@@ -98,3 +103,55 @@ class _ChunkWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+
+
+def _mismatch(old: dict, new: dict) -> str:
+    """What differs between the fingerprint OLD of an interrupted run and NEW, in words."""
+    from .fingerprint import describe_fingerprint
+
+    if old.get("version") != new.get("version"):
+        return (
+            f"it was written by another mlakit version (work directory format {old.get('version')}, this one "
+            f"reads {new.get('version')})"
+        )
+    changed = sorted(
+        k
+        for k in set(old.get("settings", {})) | set(new["settings"])
+        if old.get("settings", {}).get(k) != new["settings"].get(k)
+    )
+    if changed:
+        return f"settings {', '.join(changed)} differ from the interrupted run's"
+    was, now = old.get("source_content") or {}, new.get("source_content") or {}
+    if was.get("digest") != now.get("digest"):
+        return (
+            f"the source checkpoint's content changed: the interrupted run read {describe_fingerprint(was)}, "
+            f"the source is now {describe_fingerprint(now)}"
+        )
+    return "the source path, the shard size or the work directory's format version differ from the interrupted run's"
+
+
+def open_work_dir(work: WorkDir, fingerprint: dict, resume: bool) -> dict:
+    """The state to continue from (resume only from the same source content and settings), or a
+    fresh one in a new work directory."""
+    from .pipeline import ConversionError
+
+    state = work.state() if work.path.is_dir() else None
+    if work.path.exists() and state is None:
+        shutil.rmtree(work.path)  # interrupted before its first commit: nothing to keep
+    if state is not None:
+        if not resume:
+            raise ConversionError(
+                f"{work.path} holds an interrupted conversion ({len(state.get('layers', []))} "
+                f"layers done); pass --resume to continue it, or delete that directory to start over"
+            )
+        if state.get("fingerprint") != fingerprint:
+            raise ConversionError(
+                f"cannot resume {work.path}: {_mismatch(state.get('fingerprint', {}), fingerprint)}. Rerun "
+                f"with the same source and settings, or delete that directory to start over"
+            )
+        log.info("resuming %s: %d layers done", work.path, len(state["layers"]))
+        return state
+    if resume:
+        log.info("--resume: no interrupted conversion at %s; starting from the first layer", work.path)
+    work.path.mkdir(parents=True)
+    return {"fingerprint": fingerprint, "layers": []}

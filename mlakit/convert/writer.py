@@ -1,21 +1,21 @@
-"""Write converted checkpoints atomically: everything goes to a temporary directory beside
-OUT, which is renamed to OUT only when complete."""
+"""Write the files of a converted checkpoint (into a staging directory that ``output_dir``
+publishes as OUT when complete)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+# the publisher moved to output_dir; these names stay importable from here for existing callers
+from .output_dir import OutputExistsError, atomic_output
+
 __all__ = [
-    "OutputExistsError", "atomic_output", "check_output", "publish", "save_state_dict", "write_modeling_code", "write_json",
-    "MODEL_FILES",
+    "AUTO_MAP", "MODEL_FILES", "OutputExistsError", "atomic_output", "save_state_dict", "write_json",
+    "write_modeling_code",
 ]
 
 log = logging.getLogger(__name__)
@@ -34,45 +34,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_mla.MLAModel",
     "AutoModelForCausalLM": "modeling_mla.MLAForCausalLM",
 }
-
-
-class OutputExistsError(FileExistsError):
-    pass
-
-
-@contextlib.contextmanager
-def atomic_output(out: Path, overwrite: bool):
-    """Yield a fresh temporary directory; on success it replaces OUT, on any error it is removed."""
-    out = check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        yield tmp
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def check_output(out: Path, overwrite: bool) -> Path:
-    """OUT resolved; an error if it exists (without OVERWRITE) or is not a directory."""
-    out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; pass --overwrite to replace it or choose another path")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"{out} exists and is not a directory; remove it or choose another path")
-    return out
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished directory TMP to OUT, replacing an existing OUT only once TMP is complete."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
 
 
 def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 2 * 1024**3) -> list[str]:
@@ -95,7 +56,15 @@ def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_b
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for fname, shard in zip(names, shards):
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        try:
+            save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        except Exception as exc:  # safetensors reports a full disk as its own SafetensorError
+            need = sum(t.numel() * t.element_size() for t in state.values())
+            free = shutil.disk_usage(directory).free
+            raise OSError(
+                f"could not write {directory / fname}: {exc}. The checkpoint needs about {need / 1e6:.1f} MB; "
+                f"{free / 1e6:.1f} MB are free there. Free some space (or raise the file size limit) and rerun"
+            ) from exc
         weight_map.update(dict.fromkeys(shard, fname))
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in state.values())
@@ -113,4 +82,5 @@ def write_modeling_code(directory: Path) -> None:
 
 
 def write_json(path: Path, data) -> None:
-    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """DATA as strict JSON (a NaN or infinity is an error, never a bare ``NaN`` literal)."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n")

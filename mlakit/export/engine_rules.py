@@ -10,6 +10,7 @@ export.json (and a README.md beside the weights) what vLLM would make of it.
 
 from __future__ import annotations
 
+from ..choices import BIAS_POLICIES, ROPE_SCALING_POLICIES
 from ..convert.engine_target import TARGETS, VLLM_MLA_RANK, VLLM_MLA_ROPE_DIM, VLLM_MLA_WIDTHS
 
 __all__ = [
@@ -28,8 +29,6 @@ __all__ = [
     "vllm_problems",
 ]
 
-BIAS_POLICIES = ("refuse", "drop", "hf-exact")
-ROPE_SCALING_POLICIES = ("refuse", "hf-exact")
 # The fix every refusal for the engines names: the native checkpoint, served through mlakit's own model.
 NATIVE_ALTERNATIVE = (
     "or serve the native checkpoint instead with mlakit's vLLM plugin (`mla-convert convert` without --format "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -16,8 +15,9 @@ from pathlib import Path
 import torch
 
 from ..convert.engine_target import fit_target
-from ..convert.source import TOKENIZER_FILES
-from ..convert.writer import atomic_output, save_state_dict, write_json
+from ..convert.output_dir import check_output, claim_output, local_paths
+from ..convert.source import TOKENIZER_FILES, resolve_source
+from ..convert.writer import save_state_dict, write_json
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
     ExportError,
@@ -169,8 +169,12 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
     opts = opts or ExportOptions()
     if opts.format != "deepseek-v3":
         raise ExportError(f"--format {opts.format!r} cannot be exported; the export formats are: deepseek-v3")
+    with claim_output(dest, opts.overwrite, sources=[native_dir]) as claim:
+        return _export_into(claim, Path(native_dir), opts)
+
+
+def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
     start = time.time()
-    native_dir, dest = Path(native_dir), Path(dest)
     native = read_native(native_dir)
     cfg = native.config
     dtype = check_dtype(opts.dtype, native.dtype)
@@ -209,7 +213,7 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
         },
         "layers": facts,
     }
-    with atomic_output(dest, opts.overwrite) as tmp:
+    with claim.staging() as tmp:
         save_state_dict(state, tmp)
         del state
         config.save_pretrained(str(tmp))
@@ -226,10 +230,10 @@ def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
     if problems:
         log.warning(
             "%s loads exactly in transformers, but vLLM would refuse or misread it: %s",
-            dest,
+            claim.out,
             "; ".join(problems),
         )
-    log.info("exported %s to %s in %.1f s", native_dir, dest, time.time() - start)
+    log.info("exported %s to %s in %.1f s", native_dir, claim.out, time.time() - start)
     return report
 
 
@@ -251,9 +255,7 @@ def convert_to_format(
         raise ConversionError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt == "native":
         return convert(src, out, convert_opts, recipe=recipe)
-    out = Path(out)
-    if out.exists() and not convert_opts.overwrite:
-        raise ConversionError(f"{out} already exists; pass --overwrite to replace it or choose another path")
+    check_output(out, convert_opts.overwrite, local_paths(src))
     if convert_opts.dtype in ("float16", "fp16"):
         check_dtype(convert_opts.dtype, torch.float16)
     try:  # one rank in every layer, stock-form rope (a caller's explicit per-layer allocation is refused)
@@ -266,11 +268,15 @@ def convert_to_format(
     def precheck(source_config, shape):  # refuse what the export would refuse before calibrating
         check_source_for_export(source_config, shape, export_opts)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.native-", dir=out.parent) as tmp:
-        report = convert(src, Path(tmp) / "native", convert_opts, recipe=recipe, precheck=precheck)
-        if export_opts.dtype == "auto" and report["settings"]["dtype"] == "float16":
-            log.warning("the source is float16, which deepseek-v3 cannot hold; exporting bfloat16")
-            export_opts = replace(export_opts, dtype="bfloat16")
-        report["export"] = export(Path(tmp) / "native", out, export_opts)
+    _, src_path = resolve_source(src)
+    with claim_output(out, convert_opts.overwrite, sources=[src_path]) as claim:
+        scratch = claim.scratch()  # marked: a later run into OUT removes it if this one is killed
+        try:
+            report = convert(src, scratch / "native", convert_opts, recipe=recipe, precheck=precheck)
+            if export_opts.dtype == "auto" and report["settings"]["dtype"] == "float16":
+                log.warning("the source is float16, which deepseek-v3 cannot hold; exporting bfloat16")
+                export_opts = replace(export_opts, dtype="bfloat16")
+            report["export"] = _export_into(claim, scratch / "native", export_opts)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return report

@@ -3,6 +3,7 @@ format) and the checkpoint folders of a run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,9 +12,18 @@ from pathlib import Path
 
 import torch
 
-from mlakit.convert.writer import atomic_output, save_state_dict, write_json
+from mlakit.convert.writer import save_state_dict, write_json
 
-__all__ = ["checkpoint_dirs", "latest_checkpoint", "read_weight_layout", "save_checkpoint", "write_healed"]
+__all__ = [
+    "HealError",
+    "checkpoint_dirs",
+    "latest_checkpoint",
+    "prepare_work_dir",
+    "read_weight_layout",
+    "remove_work_dir",
+    "save_checkpoint",
+    "write_healed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +34,11 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64,
 }
 CHECKPOINT_PREFIX = "step-"
+SETTINGS_FILE = "heal_settings.json"
+
+
+class HealError(ValueError):
+    """A heal setting or input that cannot work; the message names it, the allowed values and the fix."""
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -49,13 +64,12 @@ def read_weight_layout(directory: Path) -> dict[str, torch.dtype]:
 
 def write_healed(
     source_dir: Path,
-    dest: Path,
+    claim,
     state: dict[str, torch.Tensor],
     layout: dict[str, torch.dtype],
     heal_report: dict,
-    overwrite: bool,
 ) -> None:
-    """Write DEST atomically: every file of SOURCE_DIR except its weights, the weights of STATE
+    """Write DEST (claimed by CLAIM, ``output_dir.claim_output``) atomically: every file of SOURCE_DIR except its weights, the weights of STATE
     (exactly the names and dtypes of LAYOUT), and conversion.json with a ``heal`` entry."""
     missing = sorted(set(layout) - set(state))
     if missing:
@@ -63,7 +77,7 @@ def write_healed(
             f"healed state lacks {len(missing)} tensors of the converted checkpoint, e.g. {missing[:3]}"
         )
     weights = {name: state[name].detach().to("cpu", layout[name]).contiguous() for name in layout}
-    with atomic_output(dest, overwrite) as tmp:
+    with claim.staging() as tmp:
         skip = {p.name for p in _weight_files(source_dir)} | {
             "model.safetensors.index.json",
             "conversion.json",
@@ -82,7 +96,7 @@ def write_healed(
             report = json.loads(conv.read_text(encoding="utf-8"))
         report["heal"] = heal_report
         write_json(tmp / "conversion.json", report)
-    logger.info("wrote healed model %s", dest)
+    logger.info("wrote healed model %s", claim.out)
 
 
 def checkpoint_dirs(work_dir: Path) -> list[Path]:
@@ -116,3 +130,60 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> Path:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _differences(saved: dict, run: dict) -> str:
+    from mlakit.convert.fingerprint import describe_fingerprint
+
+    parts = []
+    for key in run:
+        if saved.get(key) == run[key]:
+            continue
+        if key.endswith("_content"):
+            if (saved.get(key) or {}).get("digest") != run[key]["digest"]:
+                role = key.removesuffix("_content")
+                parts.append(
+                    f"{role}: the checkpointed run's was {describe_fingerprint(saved.get(key))}, now "
+                    f"{describe_fingerprint(run[key])}"
+                )
+        else:
+            parts.append(f"{key}: checkpoint {saved.get(key)!r} vs now {run[key]!r}")
+    return "; ".join(parts)
+
+
+def prepare_work_dir(work_dir: Path, resume: bool, run: dict) -> Path | None:
+    """Check WORK_DIR against --resume and the run's settings and model fingerprints RUN; returns
+    the checkpoint to resume from (or None)."""
+    settings_file = work_dir / SETTINGS_FILE
+    ckpt = latest_checkpoint(work_dir)
+    if ckpt is not None and not resume:
+        raise HealError(
+            f"{work_dir} already holds checkpoint {ckpt.name} of an earlier run. Fix: pass --resume to "
+            f"continue it, or remove {work_dir} to start over."
+        )
+    if ckpt is not None:
+        saved = json.loads(settings_file.read_text(encoding="utf-8")) if settings_file.is_file() else {}
+        diff = _differences(saved, run)
+        if diff:
+            raise HealError(
+                f"--resume with a different run than the checkpointed one in {work_dir} ({diff}). Fix: rerun "
+                f"with the original models and settings, or remove {work_dir} to start a new run."
+            )
+    if resume and ckpt is None:
+        logger.warning("--resume: no checkpoint in %s yet, starting from step 0", work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    settings_file.write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
+    return ckpt
+
+
+def remove_work_dir(work_dir: Path) -> None:
+    """Remove what heal put in WORK_DIR (checkpoints, partial checkpoints, the settings file), and
+    WORK_DIR itself when nothing else is left: a user's --work-dir may hold other files."""
+    if not work_dir.is_dir():
+        return
+    for item in work_dir.iterdir():
+        if item.is_dir() and item.name.startswith((CHECKPOINT_PREFIX, f".partial-{CHECKPOINT_PREFIX}")):
+            shutil.rmtree(item, ignore_errors=True)
+    (work_dir / SETTINGS_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        work_dir.rmdir()

@@ -18,7 +18,6 @@ import contextlib
 import json
 import logging
 import math
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,9 +25,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from mlakit.convert.output_dir import check_output, claim_output, local_paths
+
 from .data import open_training_data
 from .loss import distill_loss
-from .output import latest_checkpoint, read_weight_layout, save_checkpoint, write_healed
+from .output import (
+    HealError,
+    latest_checkpoint,
+    prepare_work_dir,
+    read_weight_layout,
+    remove_work_dir,
+    save_checkpoint,
+    write_healed,
+)
 from .schedule import TRAIN_CHOICES, cosine_with_warmup, select_trainable
 
 __all__ = ["HealError", "HealOptions", "heal"]
@@ -53,10 +62,6 @@ _RUN_KEYS = (
     "max_grad_norm",
     "val_sequences",
 )
-
-
-class HealError(ValueError):
-    """A heal setting or input that cannot work; the message names it, the allowed values and the fix."""
 
 
 @dataclass
@@ -169,30 +174,21 @@ def _read_student_config(out: Path) -> dict:
     return config
 
 
-def _prepare_work_dir(work_dir: Path, opts: HealOptions) -> Path | None:
-    """Check WORK_DIR against --resume; returns the checkpoint to resume from (or None)."""
-    settings_file = work_dir / "heal_settings.json"
-    ckpt = latest_checkpoint(work_dir)
+def _run_settings(opts: HealOptions, out: Path) -> dict:
+    """What a resumed run must share with the checkpointed one: the settings and the content of both
+    models (same shapes but other weights would otherwise continue silently)."""
+    from mlakit.convert.fingerprint import content_fingerprint
+    from mlakit.convert.source import SourceError, resolve_source
+
+    try:
+        _, teacher_path = resolve_source(opts.teacher)
+    except SourceError as exc:
+        raise HealError(f"--teacher {opts.teacher!r}: {exc}") from exc
     run = {k: getattr(opts, k) for k in _RUN_KEYS}
-    if ckpt is not None and not opts.resume:
-        raise HealError(
-            f"{work_dir} already holds checkpoint {ckpt.name} of an earlier run. Fix: pass --resume to "
-            f"continue it, or remove {work_dir} to start over."
-        )
-    if ckpt is not None and settings_file.is_file():
-        saved = json.loads(settings_file.read_text(encoding="utf-8"))
-        diff = {k: (saved.get(k), run[k]) for k in run if saved.get(k) != run[k]}
-        if diff:
-            shown = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise HealError(
-                f"--resume with different settings than the checkpointed run ({shown}). Fix: rerun "
-                f"with the original settings, or remove {work_dir} to start a new run."
-            )
-    if opts.resume and ckpt is None:
-        logger.warning("--resume: no checkpoint in %s yet, starting from step 0", work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    settings_file.write_text(json.dumps(run, indent=2) + "\n")
-    return ckpt
+    return run | {
+        "student_content": content_fingerprint(out),
+        "teacher_content": content_fingerprint(teacher_path),
+    }
 
 
 def _teacher_parts(teacher):
@@ -254,21 +250,28 @@ def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None) -> 
     given, is called as ``on_step(step)`` after every optimizer step (and its checkpoint).
     """
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
 
     _check_options(opts)
     out, dest = Path(out).expanduser(), Path(dest).expanduser()
     _read_student_config(out)
-    if dest.exists() and not opts.overwrite:
-        raise HealError(f"DEST {dest} already exists; choose another path or pass --overwrite to replace it")
-    if dest.resolve() == out.resolve():
-        raise HealError(
-            f"DEST {dest} is the converted model itself; choose a new directory for the healed model"
-        )
+    check_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
     work_dir = Path(opts.work_dir).expanduser() if opts.work_dir else dest.with_name(dest.name + ".heal-work")
     start_wall = time.time()
 
     accelerator = Accelerator()
+    with (
+        claim_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
+        if accelerator.is_main_process
+        else (contextlib.nullcontext()) as claim
+    ):
+        return _heal(accelerator, claim, out, work_dir, opts, on_step, start_wall)
+
+
+def _heal(
+    accelerator, claim, out: Path, work_dir: Path, opts: HealOptions, on_step, start_wall: float
+) -> dict:
+    from accelerate.utils import set_seed
+
     set_seed(opts.seed)
     device = accelerator.device
     student_model, teacher, tokenizer, vocab = _load_models(out, opts, device)
@@ -287,7 +290,9 @@ def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None) -> 
         )
     # every input is checked: only now touch the work dir
     resume_from = (
-        _prepare_work_dir(work_dir, opts) if accelerator.is_main_process else latest_checkpoint(work_dir)
+        prepare_work_dir(work_dir, opts.resume, _run_settings(opts, out))
+        if accelerator.is_main_process
+        else latest_checkpoint(work_dir)
     )
     warmup = opts.warmup if opts.warmup is not None else max(1, math.ceil(0.05 * total_steps))
     trained = select_trainable(student_model, opts.train)
@@ -402,7 +407,7 @@ def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None) -> 
     }
     if accelerator.is_main_process:
         state = {k.removeprefix("model."): v for k, v in state.items()}
-        write_healed(out, dest, state, layout, report, opts.overwrite)
-        shutil.rmtree(work_dir, ignore_errors=True)
+        write_healed(out, claim, state, layout, report)
+        remove_work_dir(work_dir)
     accelerator.wait_for_everyone()
     return report

@@ -20,6 +20,9 @@ def register_auto_classes() -> None:
         pass
 
 
+register_auto_classes()  # importing the model code is importing transformers: register now
+
+
 def load_converted(path, dtype=None, device: str = "cpu") -> MLAForCausalLM:
     """Load an mlakit MLA checkpoint directory as an eval-mode model."""
     import torch

@@ -15,7 +15,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-__all__ = ["BUILTIN_RECIPES", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+from ..choices import MIN_CALIB_SEQ_LEN
+
+__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
 
 
 class RecipeError(ValueError):
@@ -37,7 +39,7 @@ class MethodSpec(_Strict):
 class Calibration(_Strict):
     data: str = "builtin"
     samples: int = Field(128, ge=1)
-    seq_len: int = Field(256, ge=8)
+    seq_len: int = Field(256, ge=MIN_CALIB_SEQ_LEN)
 
 
 class Recipe(_Strict):

@@ -1,0 +1,27 @@
+"""Option values shared by the CLI and the modules that act on them, kept free of torch and
+transformers so that ``mla-convert --help`` and a usage error answer without importing them."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ALLOCATIONS",
+    "BIAS_POLICIES",
+    "DTYPE_NAMES",
+    "MIN_CALIB_SEQ_LEN",
+    "ROPE_SCALING_POLICIES",
+    "STOCK_ROPE_METHODS",
+    "TARGETS",
+]
+
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # keys of pipeline.DTYPES
+ALLOCATIONS = ("auto", "uniform", "planned", "fisher")  # rank_plan's ways of spreading a --kv-budget
+STOCK_ROPE_METHODS = ("scored", "transmla")  # rope methods that can keep the stock deepseek-v3 table
+BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handling of attention biases
+ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)
+TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.engine_target)
+
+# The rotary selection weighs each component by its attention at every query-key distance
+# (``calibration``'s lag profile, weighted by 1 - cos(theta * lag)); a 1-token sequence has only
+# distance 0, where every weight is 0, so it could not tell rotary components apart. Two tokens
+# give one non-zero distance: the least the statistics need (longer ones measure more of them).
+MIN_CALIB_SEQ_LEN = 2
