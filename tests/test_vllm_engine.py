@@ -195,6 +195,7 @@ def served(tmp_path_factory):
         cwd=tmp,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    (tmp / "engine.log").write_text(proc.stdout + proc.stderr)
     results = {r["name"]: r for r in json.loads((tmp / "results.json").read_text())}
     print(
         {
@@ -240,6 +241,12 @@ def test_engine_serves_per_layer_ranks_zero_padded_exactly(served):
     assert max(ranks) < 512 and max(rope) < 64, (ranks, rope)
     prefill, decode = _check_case(result, expected)
     print(f"padded {ranks} + {rope}: max |dlogprob| prefill {prefill:.2e}, decode {decode:.2e}")
+
+
+def test_engine_ran_with_the_vllm_032_cpu_absorbed_product_workaround(served):
+    """The exactness tests above cover the workaround only if the engine applied it (vLLM 0.32.x, CPU)."""
+    log = (served["llama"][3].parent / "engine.log").read_text()
+    assert "CPU MLA absorbed products run as batched GEMMs" in log, log[-3000:]
 
 
 def test_engine_refuses_a_window_shorter_than_max_model_len(served):

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["TESTED_VLLM", "check_vllm_version", "vllm_version_supported"]
+__all__ = ["TESTED_VLLM", "check_vllm_version", "major_minor", "vllm_version_supported"]
 
 # The plugin reaches into vLLM's MLA layer and config conversion, which change between minor
 # releases: only the minor series the engine tests ran on is accepted.
 TESTED_VLLM = ((0, 32), (0, 33))  # [low, high) on (major, minor)
 
 
-def _major_minor(version: str) -> tuple[int, int] | None:
+def major_minor(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string such as ``0.32.0+cpu``; None when it has no such prefix."""
     parts = version.split("+")[0].split(".")
     try:
         return int(parts[0]), int(parts[1])
@@ -18,7 +19,7 @@ def _major_minor(version: str) -> tuple[int, int] | None:
 
 
 def vllm_version_supported(version: str) -> bool:
-    mm = _major_minor(version)
+    mm = major_minor(version)
     return mm is not None and TESTED_VLLM[0] <= mm < TESTED_VLLM[1]
 
 
