@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.export.run import ExportOptions, export
 from mlakit.mla_model import MLAConfig, load_converted
 from tests.vllm_runner import plugin_dist_info
 
@@ -157,6 +158,11 @@ def served(tmp_path_factory):
     calib = dict(dtype="float32", calib="random", calib_samples=8, calib_seq_len=32, verify=False, quiet=True)
     cases = {name: (name, ENGINE_SHAPE) for name in SOURCES}
     cases["padded"] = ("llama", PADDED)
+    # The stock deepseek_v3 export, read by vLLM's own DeepSeek model (no plugin): stock-form rope at
+    # 512 + 64 (head_dim 64 keeps every frequency), plain rope written as a no-op YaRN.
+    # Calibration seed 1: with seed 0 the stock-rope conversion's first prompt has a greedy margin of
+    # 1.6e-3, below the 2e-3 that _check_case needs to compare tokens; the margin check itself guards this.
+    cases["stock_export"] = ("llama", dict(ENGINE_SHAPE, stock_rope=True, seed=1))
     jobs, expected, configs = [], {}, {}
     for case, (source, shape) in cases.items():
         src = tmp / "src" / source
@@ -166,10 +172,14 @@ def served(tmp_path_factory):
         convert(str(src), out, ConvertOptions(**shape, **calib))
         configs[case] = MLAConfig.from_pretrained(str(out))
         expected[case] = _expected(out)
+        served_dir = out
+        if case == "stock_export":
+            served_dir = tmp / "stock_export_ds"
+            export(out, served_dir, ExportOptions(dtype="float32", target="vllm"))
         jobs.append(
             {
                 "name": case,
-                "model": str(out),
+                "model": str(served_dir),
                 "prompts": PROMPTS,
                 "max_tokens": MAX_TOKENS,
                 "max_model_len": 48 if case == "mistral_window" else 128,
@@ -247,6 +257,13 @@ def test_engine_ran_with_the_vllm_032_cpu_absorbed_product_workaround(served):
     """The exactness tests above cover the workaround only if the engine applied it (vLLM 0.32.x, CPU)."""
     log = (served["llama"][3].parent / "engine.log").read_text()
     assert "CPU MLA absorbed products run as batched GEMMs" in log, log[-3000:]
+
+
+def test_engine_reads_the_stock_export_like_the_native_model(served):
+    """vLLM's DeepSeek model on the deepseek_v3 export: the native model's tokens and logprobs."""
+    result, expected, _, _ = served["stock_export"]
+    prefill, decode = _check_case(result, expected)
+    print(f"stock export: max |dlogprob| prefill {prefill:.2e}, decode {decode:.2e} (bound {LOGPROB_ATOL})")
 
 
 def test_engine_refuses_a_window_shorter_than_max_model_len(served):
