@@ -6,7 +6,7 @@ W_UK (``(N, B, P) x (N, P, L)``) and the attention output by W_UV (``(N, B, L) x
 contiguous as one small matrix product per head, each its own OpenMP parallel region; a batched
 product into a contiguous buffer is one region. With idle cores the two cost about the same; on
 cores that other processes also use, every region waits for all its threads to be scheduled and
-the per-head form is orders of magnitude slower (``bench/results/serve_profile.md``).
+the per-head form is orders of magnitude slower (``bench/results/serve_profile_before.md`` / ``_after.md``).
 
 ``batch_absorbed_products(attn)`` makes one of *our* model's ``MLAAttention`` layers use the
 contiguous form, the same products in the same dtype:
