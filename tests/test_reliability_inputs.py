@@ -15,10 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from mlakit.cli import cli
 from mlakit.convert import pipeline, source, streaming
 from mlakit.convert.pipeline import ConversionError, ConvertOptions, convert, logit_report
 from mlakit.convert.source import SourceError
@@ -26,36 +24,12 @@ from mlakit.convert.streaming import StreamOptions, convert_streaming
 from mlakit.convert.work_dir import work_dir_for
 from mlakit.convert.writer import write_json
 from mlakit.data import DataSpecError
+from tests.convert_helpers import FAST, fast_args, run
 from tests.tiny_models import save_tiny_source
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-FAST = dict(
-    kv_lora_rank=20, rope_dim=8, calib="random", calib_samples=4, calib_seq_len=8, dtype="float32", quiet=True
-)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args):
-    result = CliRunner().invoke(cli, ["convert", *map(str, args), "-q"])
-    return result.exit_code, result.output + (str(result.exception) if result.exception else "")
-
-
-def _fast_args():
-    return [
-        "--kv-lora-rank",
-        20,
-        "--rope-dim",
-        8,
-        "--calib",
-        "random",
-        "--calib-samples",
-        4,
-        "--calib-seq-len",
-        8,
-        "--dtype",
-        "float32",
-    ]
 
 
 def _edit_weights(directory: Path, edit) -> None:
@@ -153,7 +127,7 @@ def test_non_finite_source_weight_is_named(tiny_sources, tmp_path, value, word, 
     src = _copy_source(tiny_sources, tmp_path)
     name = "model.layers.1.self_attn.k_proj.weight"
     _edit_weights(src, lambda t: t[name].view(-1).__setitem__(3, value))
-    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *_fast_args())
+    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *fast_args())
     assert code == 1 and name in text and word in text and "Traceback" not in text, text
     assert not (tmp_path / "out").exists() and not work_dir_for(tmp_path / "out").exists()
 
@@ -181,10 +155,10 @@ def test_rotary_buffers_are_ignored_and_unknown_tensors_named(tiny_sources, tmp_
             {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8) for i in range(2)}
         ),
     )
-    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *_fast_args())
+    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *fast_args())
     assert code == 0, text
     _edit_weights(src, lambda t: t.update({"model.layers.0.mlp.adapter.weight": torch.zeros(4, 4)}))
-    code, text = run(src, tmp_path / "out2", "--pipeline", pipe, *_fast_args())
+    code, text = run(src, tmp_path / "out2", "--pipeline", pipe, *fast_args())
     assert code == 1 and "model.layers.0.mlp.adapter.weight" in text and "not part of the Llama" in text, text
     assert "Traceback" not in text
 
@@ -197,7 +171,7 @@ def test_wrong_shaped_tensor_is_named_with_both_shapes(tiny_sources, tmp_path, p
     src = _copy_source(tiny_sources, tmp_path)
     name = "model.layers.1.mlp.down_proj.weight"
     _edit_weights(src, lambda t: t.__setitem__(name, t[name][:, :100].contiguous()))
-    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *_fast_args())
+    code, text = run(src, tmp_path / "out", "--pipeline", pipe, *fast_args())
     assert code == 1 and name in text and "(64, 100)" in text and "(64, 128)" in text, text
 
 

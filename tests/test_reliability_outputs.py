@@ -31,35 +31,11 @@ from mlakit.convert.output_dir import (
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.streaming import StreamOptions, convert_streaming
 from mlakit.convert.work_dir import work_dir_for
+from tests.convert_helpers import FAST, fast_args, run
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-FAST = dict(
-    kv_lora_rank=20, rope_dim=8, calib="random", calib_samples=4, calib_seq_len=8, dtype="float32", quiet=True
-)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run(*args):
-    result = CliRunner().invoke(cli, ["convert", *map(str, args), "-q"])
-    return result.exit_code, result.output + (str(result.exception) if result.exception else "")
-
-
-def _fast_args():
-    return [
-        "--kv-lora-rank",
-        20,
-        "--rope-dim",
-        8,
-        "--calib",
-        "random",
-        "--calib-samples",
-        4,
-        "--calib-seq-len",
-        8,
-        "--dtype",
-        "float32",
-    ]
 
 
 # -- 1. a directory that appears at OUT during a run is never replaced ---------------------------
@@ -120,7 +96,7 @@ def test_output_overlapping_the_source_is_refused(tiny_sources, tmp_path, where,
     monkeypatch.setattr(pipeline, "open_source", lambda *a: pytest.fail("work began"))
     monkeypatch.setattr(streaming, "open_source", lambda *a: pytest.fail("work began"))
     for pipe in ("in-memory", "streaming"):
-        code, text = run(src, out, "--overwrite", "--pipeline", pipe, *_fast_args())
+        code, text = run(src, out, "--overwrite", "--pipeline", pipe, *fast_args())
         assert code == 1 and "damage the source" in text and str(src) in text and str(out) in text, text
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before
 
@@ -133,10 +109,10 @@ def test_overwrite_refuses_a_directory_that_is_not_an_mlakit_output(tiny_sources
     (out / "sub").mkdir(parents=True)
     (out / "sub" / "thesis.tex").write_text("years of work")
     for pipe in ("in-memory", "streaming"):
-        code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--pipeline", pipe, *_fast_args())
+        code, text = run(tiny_sources["llama_gqa"], out, "--overwrite", "--pipeline", pipe, *fast_args())
         assert code == 1 and "not an mlakit output" in text and f"rm -r {out}" in text, text
     assert (out / "sub" / "thesis.tex").read_text() == "years of work"
-    code, text = run(tiny_sources["llama_gqa"], tmp_path / "conv", *_fast_args(), "--no-verify")
+    code, text = run(tiny_sources["llama_gqa"], tmp_path / "conv", *fast_args(), "--no-verify")
     assert code == 0, text
     result = CliRunner().invoke(
         cli, ["export", str(tmp_path / "conv"), str(out), "--overwrite", "--no-verify", "-q"]
@@ -192,7 +168,7 @@ def test_a_second_run_into_the_same_output_is_refused_and_a_stale_lock_recovered
         assert holder["pid"] == proc.pid
         state = json.loads((work_dir_for(out) / "state.json").read_text())
         for extra in ([], ["--resume"], ["--pipeline", "in-memory"]):
-            code, text = run(src, out, *_fast_args(), *extra)
+            code, text = run(src, out, *fast_args(), *extra)
             assert code == 1 and "another mla-convert run is writing" in text and str(proc.pid) in text, text
         assert (
             json.loads((work_dir_for(out) / "state.json").read_text()) == state
