@@ -240,6 +240,43 @@ def test_resume_with_changed_settings_is_refused(deep_source, tmp_path):
         convert_streaming(str(deep_source), tmp_path / "out", changed, StreamOptions(resume=True))
 
 
+def test_sequential_calibration_changes_later_layers_only(deep_source, tmp_path):
+    """Sequential calibration: layer 0 sees the same inputs either way, so it converts the same;
+    later layers are fitted to the converted layers' outputs, so they differ."""
+    opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "default", opts)
+    seq = convert_streaming(str(deep_source), tmp_path / "seq", opts, StreamOptions(sequential=True))
+    a, b = _tensors(tmp_path / "seq"), _tensors(tmp_path / "default")
+    layer0 = [k for k in a if k.startswith("model.layers.0.self_attn.")]
+    later = [k for k in a if k.startswith("model.layers.") and ".self_attn." in k and not k.startswith("model.layers.0.")]
+    assert layer0 and all(torch.equal(a[k], b[k]) for k in layer0)
+    assert any(not torch.equal(a[k], b[k]) for k in later)
+    assert seq["verify"]["max_abs_logit_diff"] > 0
+
+
+def test_sequential_calibration_at_full_cache_stays_lossless(deep_source, tmp_path, ids):
+    # the whole cache with every rotary dim kept: full rank, yet calibrated (the statistics are taken)
+    opts = ConvertOptions(kv_budget=1.0, rope_dim=32, allocation="uniform", **CALIB)
+    report = convert_streaming(str(deep_source), tmp_path / "seq", opts, StreamOptions(sequential=True))
+    assert report["verify"]["max_abs_logit_diff"] < 1e-4
+    with torch.no_grad():
+        src = LlamaForCausalLM.from_pretrained(str(deep_source)).eval()(ids).logits
+    assert_close("sequential full cache vs source", _logits(tmp_path / "seq", ids), src, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["compressed", "planned"])
+def test_interrupted_sequential_conversion_resumes_to_identical_output(deep_source, tmp_path, setting):
+    opts = ConvertOptions(**SETTINGS[setting], **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "reference", opts, StreamOptions(sequential=True))
+    with pytest.raises(_Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True),
+                          on_layer=_stop_at("convert", 3))
+    report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True, resume=True))
+    assert report["pipeline"]["resumed_from_layer"] == 3
+    _assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
+    assert report["verify"] == json.loads((tmp_path / "reference" / "conversion.json").read_text())["verify"]
+
+
 def run_cli(*args):
     result = CliRunner().invoke(cli, ["convert", *map(str, args), "-q"])
     return result.exit_code, result.output + (str(result.exception) if result.exception else "")
