@@ -95,7 +95,7 @@ class SourceLayers:
 
 
 class MLALayers:
-    """Decoder layers of the converted model, built one at a time (for layer-wise verification)."""
+    """Decoder layers of the converted model, built one at a time (verification, sequential calibration)."""
 
     def __init__(self, config, device: str = "cpu"):
         from ..mla_model.modeling_mla import LlamaRotaryEmbedding
@@ -113,6 +113,11 @@ class MLALayers:
 
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """LAYER applied to HIDDEN (B, L, D) float32 on the layer's device."""
+        return self.forward(layer, hidden)
+
+    def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``run`` in the caller's grad mode (a layer-wise refinement backpropagates through it)."""
         from ..mla_model.modeling_mla import _AttentionMask
 
         B, L, _ = hidden.shape
