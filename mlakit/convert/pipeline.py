@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from ..choices import DTYPE_NAMES, MIN_CALIB_SEQ_LEN
+from ..options import ConvertOptions
 from .assemble import (
     check_finite_tensors,
     check_shapes,
@@ -47,29 +48,6 @@ DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, to
 
 class ConversionError(ValueError):
     """A conversion setting does not fit the source model; the message names the allowed values."""
-
-
-@dataclass
-class ConvertOptions:
-    kv_lora_rank: int | str = "full"
-    rope_dim: int | str = "full"
-    kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
-    allocation: str = "auto"  # how a kv_budget is spread over layers: rank_plan.ALLOCATIONS
-    rope_method: str = "scored"
-    lowrank_method: str = "auto"
-    fold: int = 0  # 0 = auto (see rope_select.auto_fold)
-    mixing: str = "pca"
-    stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
-    target: str = "any"  # serving engine whose MLA kernels the plan must fit: engine_target.TARGETS
-    calib: str = "builtin"
-    calib_samples: int = 128
-    calib_seq_len: int = 256
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    overwrite: bool = False
-    verify: bool = True
-    quiet: bool = False
 
 
 def resolve_dtype(name: str, source_config) -> torch.dtype:
