@@ -143,7 +143,7 @@ class ConvertOptions:
         ),
     ] = "cpu"
     seed: Annotated[
-        int, Field(ge=0, description="Seed of the calibration sampling.", json_schema_extra=_RUN)
+        int, Field(description="Seed of the calibration sampling and of torch.", json_schema_extra=_RUN)
     ] = 0
     overwrite: Annotated[
         bool,
@@ -164,19 +164,18 @@ class ConvertOptions:
     def _cross_field_rules(self):
         if self.rope_dim != "full" and self.rope_dim % 2:
             raise ValueError(
-                f"rope_dim (--rope-dim) must be even (rotary dims come in pairs); got {self.rope_dim}, "
+                f"--rope-dim must be even (rotary dims come in pairs); got {self.rope_dim}, "
                 f"use {self.rope_dim - 1} or {self.rope_dim + 1}"
             )
         if self.stock_rope and self.rope_method not in STOCK_ROPE_METHODS:
             raise ValueError(
-                f"stock_rope (--stock-rope) works with rope_method (--rope-method) "
-                f"{' or '.join(STOCK_ROPE_METHODS)}; got {self.rope_method!r}: pick one of those or drop "
-                f"--stock-rope"
+                f"--stock-rope works with --rope-method {' or '.join(STOCK_ROPE_METHODS)}; got "
+                f"{self.rope_method!r}: pick one of those or drop --stock-rope"
             )
         if self.kv_budget is not None and self.kv_lora_rank != "full":
             raise ValueError(
-                f"kv_budget (--kv-budget) {self.kv_budget} and kv_lora_rank (--kv-lora-rank) "
-                f"{self.kv_lora_rank} both set the latent rank: give one (a budget plans each layer's rank)"
+                f"--kv-budget {self.kv_budget} and --kv-lora-rank {self.kv_lora_rank} both set the latent rank: "
+                f"give one (a budget plans each layer's rank)"
             )
         return self
 
@@ -215,7 +214,8 @@ def _allowed(name: str, errors: list[dict]) -> str:
 def format_errors(exc: ValidationError, prefix: tuple = (), aliases: dict | None = None) -> list[str]:
     """Lines naming each bad option: field, flag, what it accepts and the value given.
 
-    PREFIX: the location of the options inside a larger model (a recipe's ``("options",)``);
+    PREFIX: the location of the options inside a larger model (a recipe's ``("options",)``: its keys
+    are named first; otherwise the flags are);
     ALIASES: field -> the key the user wrote (a legacy recipe's ``method.rope``)."""
     by_field: dict[str, list[dict]] = {}
     other = []
@@ -229,9 +229,11 @@ def format_errors(exc: ValidationError, prefix: tuple = (), aliases: dict | None
     for name, errors in by_field.items():
         given = errors[0].get("input")
         flag = field_flag(name) if _FIELDS[name].json_schema_extra != _NO_FLAG else None
-        names = [n for n in (name if aliases and name in aliases else None, flag) if n]
-        key = aliases[name] if aliases and name in aliases else name
-        head = f"{key} ({', '.join(names)})" if names else key
+        if prefix:  # a recipe: its key first, then the field it maps to and the flag
+            key = aliases.get(name, name) if aliases else name
+            head = f"{key} ({', '.join(n for n in (name if key != name else None, flag) if n)})"
+        else:  # Python or CLI: the flag first
+            head = f"{flag} ({name})" if flag else name
         lines.append(f"{head} {_allowed(name, errors)}; got {given!r}")
     for error in other:
         loc = ".".join(map(str, error["loc"][len(prefix):] if tuple(error["loc"][: len(prefix)]) == prefix

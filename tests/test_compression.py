@@ -171,7 +171,7 @@ def test_cli_flags_override_recipe_and_effective_recipe_is_saved(tiny_sources, t
                                       "--lowrank-method", "rrr", "--dtype", "float32", "-q"])
     assert result.exit_code == 0, result.output
     saved = Recipe.load(out / "recipe.yaml")
-    assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.method.lowrank == "rrr"
+    assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.lowrank_method == "rrr"
     bad = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(tmp_path / "x"), "--recipe", "nope"])
     assert bad.exit_code != 0 and "neither a built-in" in bad.output
 
@@ -230,7 +230,7 @@ def test_auto_lowrank_builds_the_bkv_pca_conversion_below_a_quarter_and_says_so(
         assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "auto" / "conversion.json").read_text())
     assert report["settings"]["lowrank_method"] == "bkv_pca"
-    assert Recipe.load(tmp_path / "auto" / "recipe.yaml").method.lowrank == "bkv_pca"
+    assert Recipe.load(tmp_path / "auto" / "recipe.yaml").lowrank_method == "bkv_pca"
     from safetensors.torch import load_file
 
     got, want = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "bkv" / "model.safetensors")

@@ -76,7 +76,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kv-lora-rank", 0], "--kv-lora-rank must be 'full' or an integer in [1, 32]"),
+        (["--kv-lora-rank", 0], "--kv-lora-rank (kv_lora_rank) must be 'full' or an integer >= 1; got 0"),
         (["--kv-lora-rank", 200], "in [1, 32]"),
         (["--rope-dim", 8, "--kv-lora-rank", 57], "in [1, 56]"),
         (["--rope-dim", 7], "--rope-dim must be even"),

@@ -92,6 +92,12 @@ class Recipe(BaseModel):
             data["options"] = base | flat
         return data
 
+    def __getattr__(self, name: str):
+        """A recipe field reads its option: ``recipe.kv_budget`` is ``recipe.options.kv_budget``."""
+        if name in RECIPE_FIELDS:
+            return getattr(self.options, name)
+        return super().__getattr__(name)
+
     @classmethod
     def from_options(cls, opts: ConvertOptions, name: str | None = None, description: str | None = None) -> Recipe:
         """The recipe that reproduces OPTS (its run-time fields, like device, are not part of a recipe)."""
