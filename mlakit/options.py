@@ -122,7 +122,11 @@ class ConvertOptions:
     ] = "any"
     calib: Annotated[
         str,
-        Field(min_length=1, description="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]]."),
+        Field(
+            min_length=1,
+            description="Calibration text: builtin, a text file, hf:NAME[:CONFIG[:SPLIT]], or random (token ids; "
+            "for tokenizer-less test models).",
+        ),
     ] = "builtin"
     calib_samples: Annotated[int, Field(ge=1, description="Calibration sequences.")] = 128
     calib_seq_len: Annotated[

@@ -54,9 +54,9 @@ def _click_type(annotation, metadata):
     return None
 
 
-def _option(name: str):
+def _option(name: str, help_text: str | None = None):
     info = _FIELDS[name]
-    help_text = info.description
+    help_text = help_text or info.description
     if info.annotation is bool:
         if info.default:
             return click.option(f"--{name.replace('_', '-')}/{field_flag(name)}", name, default=True,
@@ -67,16 +67,17 @@ def _option(name: str):
                         show_default=info.default is not None, help=help_text)
 
 
-def option_flags(*names: str):
+def option_flags(*names: str, help: dict[str, str] | None = None):  # noqa: A002 (click's word)
     """Decorator adding the flags of the ConvertOptions fields NAMES (all of FLAG_FIELDS when empty),
-    in field order; the command receives each as a keyword named like the field."""
+    in field order; the command receives each as a keyword named like the field. HELP: field -> the
+    help text for a command that uses the option differently (inspect's --kv-budget only shows a plan)."""
     names = names or FLAG_FIELDS
     unknown = set(names) - set(FLAG_FIELDS)
     assert not unknown, f"not ConvertOptions fields with a flag: {sorted(unknown)}"
 
     def decorate(fn):
         for name in reversed([n for n in FLAG_FIELDS if n in names]):
-            fn = _option(name)(fn)
+            fn = _option(name, (help or {}).get(name))(fn)
         return fn
 
     return decorate
