@@ -16,6 +16,7 @@ from mlakit.convert.mla_layer import AttentionWeights, convert_attention
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.rank_plan import plan_ranks
 from mlakit.convert.rope_split import RopePlan
+from mlakit.options import OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
 from tests.tiny_models import assert_close
 
@@ -200,9 +201,8 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
         convert(src, tmp_path / "a", ConvertOptions(rope_dim=12, kv_lora_rank=20, stock_rope=True, **CALIB))
     with pytest.raises(ConversionError, match="got 32"):  # full rope, 2 KV heads: every frequency twice
         convert(src, tmp_path / "b", ConvertOptions(stock_rope=True, **CALIB))
-    with pytest.raises(ConversionError, match="scored or transmla; got 'norm'"):
-        convert(src, tmp_path / "c", ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm",
-                                                    stock_rope=True, **CALIB))
+    with pytest.raises(OptionsError, match="scored or transmla; got 'norm'"):  # refused when the options are made
+        ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm", stock_rope=True, **CALIB)
     assert not any(tmp_path.iterdir())
 
 
