@@ -60,9 +60,7 @@ class ConvertOptions:
     kv_lora_rank: Annotated[
         Rank, Field(description="Latent rank r of every layer, or 'full' (lossless).")
     ] = "full"
-    rope_dim: Annotated[
-        RopeDim, Field(description="Shared rotary key dims d_R (even), or 'full'.")
-    ] = "full"
+    rope_dim: Annotated[RopeDim, Field(description="Shared rotary key dims d_R (even), or 'full'.")] = "full"
     kv_budget: Annotated[
         float | None,
         Field(
@@ -81,9 +79,9 @@ class ConvertOptions:
             "backward sweep). auto: fisher in memory, uniform when streaming or exporting to deepseek-v3."
         ),
     ] = "auto"
-    rope_method: Annotated[
-        Literal[ROPE_METHODS], Field(description="How the rotary subspace is chosen.")
-    ] = "scored"
+    rope_method: Annotated[Literal[ROPE_METHODS], Field(description="How the rotary subspace is chosen.")] = (
+        "scored"
+    )
     lowrank_method: Annotated[
         Literal[("auto", *LOWRANK_METHODS)],
         Field(
@@ -160,9 +158,7 @@ class ConvertOptions:
             json_schema_extra=_RUN,
         ),
     ] = True
-    quiet: Annotated[
-        bool, Field(description="No progress bars.", json_schema_extra=_NO_FLAG)
-    ] = False
+    quiet: Annotated[bool, Field(description="No progress bars.", json_schema_extra=_NO_FLAG)] = False
 
     @model_validator(mode="after")
     def _cross_field_rules(self):
@@ -185,14 +181,18 @@ class ConvertOptions:
 
 
 _FIELDS = ConvertOptions.__pydantic_fields__
-assert set(RECIPE_FIELDS) == {n for n, f in _FIELDS.items() if (f.json_schema_extra or {}).get("recipe", True)}
+assert set(RECIPE_FIELDS) == {
+    n for n, f in _FIELDS.items() if (f.json_schema_extra or {}).get("recipe", True)
+}
 
 
 def _describe(error: dict) -> str:
     """One pydantic error as 'must be ...' text."""
     kind, ctx = error["type"], error.get("ctx") or {}
     if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
+            kind
+        ]
         return f"must be {sign} {next(iter(ctx.values()))}"
     if kind == "literal_error":
         return f"must be one of {ctx['expected']}"
@@ -240,8 +240,12 @@ def format_errors(exc: ValidationError, prefix: tuple = (), aliases: dict | None
             head = f"{flag} ({name})" if flag else name
         lines.append(f"{head} {_allowed(name, errors)}; got {given!r}")
     for error in other:
-        loc = ".".join(map(str, error["loc"][len(prefix):] if tuple(error["loc"][: len(prefix)]) == prefix
-                           else error["loc"]))
+        loc = ".".join(
+            map(
+                str,
+                error["loc"][len(prefix) :] if tuple(error["loc"][: len(prefix)]) == prefix else error["loc"],
+            )
+        )
         if error["type"] == "unexpected_keyword_argument" or error["type"] == "extra_forbidden":
             lines.append(f"unknown option {loc!r}")
         else:

@@ -35,7 +35,9 @@ def test_fields_and_defaults_are_the_former_dataclasses():
     )  # fmt: skip
     assert dataclasses.asdict(ConvertOptions()) == want
     assert [f.name for f in dataclasses.fields(ConvertOptions)] == list(want)
-    assert {f.name: f.default for f in dataclasses.fields(ConvertOptions)} == want  # engine_target reads these
+    assert {
+        f.name: f.default for f in dataclasses.fields(ConvertOptions)
+    } == want  # engine_target reads these
 
 
 def test_options_are_frozen_and_replace_validates():
@@ -57,13 +59,22 @@ def test_options_are_frozen_and_replace_validates():
         ({"kv_budget": 0}, r"--kv-budget (kv_budget) must be a fraction in (0, 1]"),
         ({"kv_lora_rank": 0}, "--kv-lora-rank (kv_lora_rank) must be 'full' or an integer >= 1; got 0"),
         ({"rope_dim": "half"}, "--rope-dim (rope_dim) must be 'full' or an even integer >= 0; got 'half'"),
-        ({"rope_method": "best"}, "--rope-method (rope_method) must be one of 'scored', 'transmla', 'high', "),
+        (
+            {"rope_method": "best"},
+            "--rope-method (rope_method) must be one of 'scored', 'transmla', 'high', ",
+        ),
         ({"lowrank_method": "pca"}, "--lowrank-method (lowrank_method) must be one of 'auto', 'rrr', "),
         ({"dtype": "int8"}, "--dtype (dtype) must be one of 'auto', 'float32'"),
         ({"device": "gpu"}, "--device (device) must be one of cpu, cuda, cuda:N, auto; got 'gpu'"),
         ({"fold": -1}, "--fold (fold) must be >= 0; got -1"),
-        ({"kv_budget": 0.3, "kv_lora_rank": 64}, "--kv-budget 0.3 and --kv-lora-rank 64 both set the latent rank"),
-        ({"stock_rope": True, "rope_method": "norm"}, "--stock-rope works with --rope-method scored or transmla"),
+        (
+            {"kv_budget": 0.3, "kv_lora_rank": 64},
+            "--kv-budget 0.3 and --kv-lora-rank 64 both set the latent rank",
+        ),
+        (
+            {"stock_rope": True, "rope_method": "norm"},
+            "--stock-rope works with --rope-method scored or transmla",
+        ),
         ({"kv_budgt": 0.3}, "unknown option 'kv_budgt'"),
     ],
 )
@@ -122,8 +133,13 @@ def test_a_bad_method_name_in_a_recipe_names_the_key_and_the_allowed_values():
     with pytest.raises(RecipeError) as info:
         Recipe.from_yaml("rope_method: best\n", "r.yaml")
     text = str(info.value)
-    assert "r.yaml is invalid" in text and "rope_method (--rope-method) must be one of 'scored', 'transmla'" in text
-    with pytest.raises(RecipeError, match=r"method.rope \(rope_method, --rope-method\) must be one of 'scored'"):
+    assert (
+        "r.yaml is invalid" in text
+        and "rope_method (--rope-method) must be one of 'scored', 'transmla'" in text
+    )
+    with pytest.raises(
+        RecipeError, match=r"method.rope \(rope_method, --rope-method\) must be one of 'scored'"
+    ):
         Recipe.from_yaml("method: {rope: best}\n")  # the legacy nested key is the one named
 
 
@@ -135,7 +151,10 @@ def test_a_bad_method_name_in_a_recipe_names_the_key_and_the_allowed_values():
         ("kv_budget: 1.2\n", "kv_budget (--kv-budget) must be a fraction in (0, 1] (or unset); got 1.2"),
         ("calibration: {samples: 0}\n", "calibration.samples (calib_samples, --calib-samples) must be >= 1"),
         ("method: {lowrnk: rrr}\n", "method.lowrnk is not a recipe key; method takes rope, lowrank"),
-        ("kv_budget: 0.3\nkv_lora_rank: 64\n", "--kv-budget 0.3 and --kv-lora-rank 64 both set the latent rank"),
+        (
+            "kv_budget: 0.3\nkv_lora_rank: 64\n",
+            "--kv-budget 0.3 and --kv-lora-rank 64 both set the latent rank",
+        ),
     ],
 )
 def test_recipe_errors_name_the_key_and_fix(text, message):
@@ -167,7 +186,9 @@ def test_legacy_nested_recipe_means_the_same_as_the_flat_one():
 
 
 def test_from_options_keeps_the_recipe_fields_and_drops_the_run_fields():
-    opts = ConvertOptions(kv_budget=0.5, lowrank_method="rrr", device="auto", seed=3, overwrite=True, verify=False)
+    opts = ConvertOptions(
+        kv_budget=0.5, lowrank_method="rrr", device="auto", seed=3, overwrite=True, verify=False
+    )
     recipe = Recipe.from_options(opts, name="mine")
     back = Recipe.from_yaml(recipe.to_yaml()).to_options()
     assert back == dataclasses.replace(opts, device="cpu", seed=0, overwrite=False, verify=True)
@@ -207,11 +228,23 @@ def _recipe(tmp_path, text):
         (["--rope-dim", 7], 1, "--rope-dim must be even (rotary dims come in pairs); got 7, use 6 or 8"),
         (["--kv-lora-rank", 0], 1, "--kv-lora-rank (kv_lora_rank) must be 'full' or an integer >= 1; got 0"),
         (["--device", "gpu"], 1, "--device (device) must be one of cpu, cuda, cuda:N, auto; got 'gpu'"),
-        (["--stock-rope", "--rope-method", "high"], 1, "--stock-rope works with --rope-method scored or transmla"),
+        (
+            ["--stock-rope", "--rope-method", "high"],
+            1,
+            "--stock-rope works with --rope-method scored or transmla",
+        ),
         ("recipe:rope_method: best\n", 2, "rope_method (--rope-method) must be one of 'scored', 'transmla'"),
-        ("recipe:method: {lowrank: best}\n", 2, "method.lowrank (lowrank_method, --lowrank-method) must be one of"),
+        (
+            "recipe:method: {lowrank: best}\n",
+            2,
+            "method.lowrank (lowrank_method, --lowrank-method) must be one of",
+        ),
         ("recipe:kv_budgt: 0.3\n", 2, "unknown key 'kv_budgt'; recipe keys:"),
-        ("recipe:kv_budget: 3\n", 2, "kv_budget (--kv-budget) must be a fraction in (0, 1] (or unset); got 3"),
+        (
+            "recipe:kv_budget: 3\n",
+            2,
+            "kv_budget (--kv-budget) must be a fraction in (0, 1] (or unset); got 3",
+        ),
     ],
 )
 def test_bad_flags_and_recipes_fail_before_the_source_is_opened(no_source, tmp_path, args, code, message):
@@ -272,6 +305,8 @@ def test_flags_override_a_recipe_and_the_saved_recipe_round_trips(tiny_sources, 
     "--rope-dim is not reproduced by its recipe.yaml; effective_recipe should return Recipe.from_options(opts)",
 )
 def test_a_budget_with_a_fixed_rope_dim_is_saved_in_the_recipe(tiny_sources, tmp_path):
-    saved, settings = _convert_with_recipe(tiny_sources, tmp_path, "--kv-budget", "0.5", "--allocation", "uniform")
+    saved, settings = _convert_with_recipe(
+        tiny_sources, tmp_path, "--kv-budget", "0.5", "--allocation", "uniform"
+    )
     assert (settings["kv_budget"], settings["kv_lora_rank"], settings["rope_dim"]) == (0.5, "full", 8)
     assert (saved.kv_budget, saved.kv_lora_rank, saved.rope_dim) == (0.5, "full", 8)

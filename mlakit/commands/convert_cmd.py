@@ -36,7 +36,8 @@ __all__ = ["convert_command"]
 def convert_command(src, out, recipe, quiet, fmt, biases, rope_scaling, clip_context, pipeline, resume, max_memory,
                     **flags):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
-    from ..recipes import Recipe, RecipeError  # torch-free: a bad recipe or value is refused before torch loads
+    # torch-free: a bad recipe or value is refused before torch loads
+    from ..recipes import Recipe, RecipeError
 
     try:
         base = Recipe.load(recipe) if recipe else Recipe()

@@ -59,12 +59,23 @@ def _option(name: str, help_text: str | None = None):
     help_text = help_text or info.description
     if info.annotation is bool:
         if info.default:
-            return click.option(f"--{name.replace('_', '-')}/{field_flag(name)}", name, default=True,
-                                show_default=True, help=help_text)
+            return click.option(
+                f"--{name.replace('_', '-')}/{field_flag(name)}",
+                name,
+                default=True,
+                show_default=True,
+                help=help_text,
+            )
         return click.option(field_flag(name), name, is_flag=True, default=False, help=help_text)
     kind = _click_type(info.annotation, info.metadata)
-    return click.option(field_flag(name), name, type=kind, default=info.default,
-                        show_default=info.default is not None, help=help_text)
+    return click.option(
+        field_flag(name),
+        name,
+        type=kind,
+        default=info.default,
+        show_default=info.default is not None,
+        help=help_text,
+    )
 
 
 def option_flags(*names: str, help: dict[str, str] | None = None):  # noqa: A002 (click's word)
@@ -86,5 +97,8 @@ def option_flags(*names: str, help: dict[str, str] | None = None):  # noqa: A002
 def given_options(values: dict) -> dict:
     """The entries of VALUES (field -> flag value) that the user gave (command line or environment)."""
     ctx = click.get_current_context()
-    return {k: v for k, v in values.items()
-            if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)}
+    return {
+        k: v
+        for k, v in values.items()
+        if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
+    }

@@ -59,8 +59,10 @@ def _flatten(data: dict) -> tuple[dict, dict]:
             continue
         nested = data.pop(block)
         if not isinstance(nested, dict):
-            raise RecipeError(f"{block} must be a mapping of {', '.join(keys)} (or use the flat keys "
-                              f"{', '.join(keys.values())})")
+            raise RecipeError(
+                f"{block} must be a mapping of {', '.join(keys)} (or use the flat keys "
+                f"{', '.join(keys.values())})"
+            )
         for key, value in nested.items():
             if key not in keys:
                 raise RecipeError(f"{block}.{key} is not a recipe key; {block} takes {', '.join(keys)}")
@@ -99,10 +101,15 @@ class Recipe(BaseModel):
         return super().__getattr__(name)
 
     @classmethod
-    def from_options(cls, opts: ConvertOptions, name: str | None = None, description: str | None = None) -> Recipe:
+    def from_options(
+        cls, opts: ConvertOptions, name: str | None = None, description: str | None = None
+    ) -> Recipe:
         """The recipe that reproduces OPTS (its run-time fields, like device, are not part of a recipe)."""
-        return cls(name=name, description=description, options=ConvertOptions(
-            **{k: v for k, v in asdict(opts).items() if k in RECIPE_FIELDS}))
+        return cls(
+            name=name,
+            description=description,
+            options=ConvertOptions(**{k: v for k, v in asdict(opts).items() if k in RECIPE_FIELDS}),
+        )
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> Recipe:
@@ -113,8 +120,10 @@ class Recipe(BaseModel):
         elif path.is_file():
             text, source = path.read_text(), str(path)
         else:
-            raise RecipeError(f"recipe {name_or_path!r} is neither a built-in ({', '.join(BUILTIN_RECIPES)}) "
-                              f"nor an existing YAML file")
+            raise RecipeError(
+                f"recipe {name_or_path!r} is neither a built-in ({', '.join(BUILTIN_RECIPES)}) "
+                f"nor an existing YAML file"
+            )
         return cls.from_yaml(text, source)
 
     @classmethod
@@ -132,14 +141,17 @@ class Recipe(BaseModel):
         keys = ("name", "description", *RECIPE_FIELDS)
         unknown = [k for k in flat if k not in keys]
         if unknown:
-            raise RecipeError(f"{source} is invalid: unknown key{'s' * (len(unknown) > 1)} "
-                              f"{', '.join(map(repr, unknown))}; recipe keys: {', '.join(keys)}")
+            raise RecipeError(
+                f"{source} is invalid: unknown key{'s' * (len(unknown) > 1)} "
+                f"{', '.join(map(repr, unknown))}; recipe keys: {', '.join(keys)}"
+            )
         try:
             return cls.model_validate(flat)
         except ValidationError as exc:
             lines = format_errors(exc, prefix=("options",), aliases=aliases)
-            raise RecipeError(f"{source} is invalid:\n  " + "\n  ".join(lines) + f"\nrecipe keys: {', '.join(keys)}"
-                              ) from None
+            raise RecipeError(
+                f"{source} is invalid:\n  " + "\n  ".join(lines) + f"\nrecipe keys: {', '.join(keys)}"
+            ) from None
 
     def to_yaml(self) -> str:
         """The recipe as YAML: name, description and every recipe field (``from_yaml`` reads it back)."""
