@@ -7,7 +7,10 @@ __all__ = [
     "ALLOCATIONS",
     "BIAS_POLICIES",
     "DTYPE_NAMES",
+    "LOWRANK_METHODS",
     "MIN_CALIB_SEQ_LEN",
+    "MIXINGS",
+    "ROPE_METHODS",
     "ROPE_SCALING_POLICIES",
     "STOCK_ROPE_METHODS",
     "TARGETS",
@@ -15,6 +18,9 @@ __all__ = [
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # keys of pipeline.DTYPES
 ALLOCATIONS = ("auto", "uniform", "planned", "fisher")  # rank_plan's ways of spreading a --kv-budget
+ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")  # rope_select's ways of picking rotary dims
+LOWRANK_METHODS = ("rrr", "bkv_pca", "svd")  # low_rank's latent factorisations (--lowrank-method adds auto)
+MIXINGS = ("pca", "none")  # rotary mixing within a FreqFold group (rope_select)
 STOCK_ROPE_METHODS = ("scored", "transmla")  # rope methods that can keep the stock deepseek-v3 table
 BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handling of attention biases
 ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)

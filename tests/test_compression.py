@@ -16,6 +16,7 @@ from mlakit.convert.mla_layer import AttentionWeights, convert_attention
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.rank_plan import plan_ranks
 from mlakit.convert.rope_split import RopePlan
+from mlakit.options import OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
 from tests.tiny_models import assert_close
 
@@ -171,7 +172,7 @@ def test_cli_flags_override_recipe_and_effective_recipe_is_saved(tiny_sources, t
                                       "--lowrank-method", "rrr", "--dtype", "float32", "-q"])
     assert result.exit_code == 0, result.output
     saved = Recipe.load(out / "recipe.yaml")
-    assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.method.lowrank == "rrr"
+    assert saved.name == "mine" and saved.kv_budget == 0.5 and saved.lowrank_method == "rrr"
     bad = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(tmp_path / "x"), "--recipe", "nope"])
     assert bad.exit_code != 0 and "neither a built-in" in bad.output
 
@@ -200,9 +201,8 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
         convert(src, tmp_path / "a", ConvertOptions(rope_dim=12, kv_lora_rank=20, stock_rope=True, **CALIB))
     with pytest.raises(ConversionError, match="got 32"):  # full rope, 2 KV heads: every frequency twice
         convert(src, tmp_path / "b", ConvertOptions(stock_rope=True, **CALIB))
-    with pytest.raises(ConversionError, match="scored or transmla; got 'norm'"):
-        convert(src, tmp_path / "c", ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm",
-                                                    stock_rope=True, **CALIB))
+    with pytest.raises(OptionsError, match="scored or transmla; got 'norm'"):  # refused when the options are made
+        ConvertOptions(rope_dim=8, kv_lora_rank=20, rope_method="norm", stock_rope=True, **CALIB)
     assert not any(tmp_path.iterdir())
 
 
@@ -230,7 +230,7 @@ def test_auto_lowrank_builds_the_bkv_pca_conversion_below_a_quarter_and_says_so(
         assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "auto" / "conversion.json").read_text())
     assert report["settings"]["lowrank_method"] == "bkv_pca"
-    assert Recipe.load(tmp_path / "auto" / "recipe.yaml").method.lowrank == "bkv_pca"
+    assert Recipe.load(tmp_path / "auto" / "recipe.yaml").lowrank_method == "bkv_pca"
     from safetensors.torch import load_file
 
     got, want = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "bkv" / "model.safetensors")

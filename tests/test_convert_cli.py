@@ -77,7 +77,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypat
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--kv-lora-rank", 0], "--kv-lora-rank must be 'full' or an integer in [1, 32]"),
+        (["--kv-lora-rank", 0], "--kv-lora-rank (kv_lora_rank) must be 'full' or an integer >= 1; got 0"),
         (["--kv-lora-rank", 200], "in [1, 32]"),
         (["--rope-dim", 8, "--kv-lora-rank", 57], "in [1, 56]"),
         (["--rope-dim", 7], "--rope-dim must be even"),
@@ -177,3 +177,46 @@ def test_hub_id_offline_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, text = run("someorg/some-model", tmp_path / "out")
     assert code == 1 and "could not fetch 'someorg/some-model'" in text and "--local-dir" in text
+
+
+# --- options: one model (mlakit/options.py) behind the flags and the recipes ---------------------
+
+
+def test_every_convert_flag_default_is_the_options_default():
+    from mlakit.options import ConvertOptions
+
+    fields = ConvertOptions.__pydantic_fields__
+    params = {p.name: p for p in cli.commands["convert"].params}
+    checked = [name for name in fields if name in params and name != "quiet"]
+    assert len(checked) == len(fields) - 1  # every option but quiet (the shared -q) is a flag
+    for name in checked:
+        assert params[name].default == fields[name].default, name
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        ("rope_method: best\n", "rope_method (--rope-method) must be one of 'scored', 'transmla', 'high'"),
+        ("kv_budget: 0\n", "kv_budget (--kv-budget) must be a fraction in (0, 1] (or unset); got 0"),
+        ("calib_seq_len: 1\n", "calib_seq_len (--calib-seq-len) must be >= 2; got 1"),
+        ("mixng: pca\n", "unknown key 'mixng'; recipe keys: name, description, kv_lora_rank"),
+    ],
+)
+def test_a_bad_recipe_fails_before_the_model_is_read(tiny_sources, tmp_path, monkeypatch, recipe, message):
+    from mlakit.convert import pipeline, streaming
+
+    for module in (pipeline, streaming):
+        monkeypatch.setattr(module, "open_source", lambda *a, **k: pytest.fail("the model was read"))
+    (tmp_path / "r.yaml").write_text(recipe)
+    code, text = run(tiny_sources["llama_gqa"], tmp_path / "out", "--recipe", tmp_path / "r.yaml")
+    assert code == 2 and "Invalid value for --recipe" in text and message in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_calib_sizes_from_python_fail_when_the_options_are_made():
+    from mlakit.options import ConvertOptions, OptionsError
+
+    with pytest.raises(OptionsError, match=r"--calib-samples \(calib_samples\) must be >= 1; got 0"):
+        ConvertOptions(calib_samples=0)
+    with pytest.raises(OptionsError, match=r"--calib-seq-len \(calib_seq_len\) must be >= 2; got 1"):
+        ConvertOptions(calib_seq_len=1)

@@ -18,6 +18,7 @@ from mlakit.cli import cli
 from mlakit.convert.engine_target import TargetError, check_target_shape, fit_target
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.pipeline import StreamOptions, convert_streaming
+from mlakit.options import OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
@@ -92,8 +93,8 @@ def test_target_vllm_keeps_matching_flags_and_refuses_per_layer_allocations():
         TargetError, match="--allocation fisher gives each layer its own rank, which vLLM's MLA"
     ):
         fit_target(ConvertOptions(target="vllm", allocation="fisher"), explicit={"allocation", "target"})
-    with pytest.raises(TargetError, match="--target 'sglang' is not one of any, vllm"):
-        fit_target(ConvertOptions(target="sglang"))
+    with pytest.raises(OptionsError, match=r"--target \(target\) must be one of 'any' or 'vllm'; got 'sglang'"):
+        ConvertOptions(target="sglang")  # refused when the options are made, before fit_target
 
 
 def test_stock_export_resolves_a_recipes_allocation_and_refuses_an_explicit_one(caplog):

@@ -25,6 +25,7 @@ from mlakit.convert.verify import logit_report
 from mlakit.convert.work_dir import work_dir_for
 from mlakit.convert.writer import write_json
 from mlakit.data import DataSpecError
+from mlakit.options import OptionsError
 from tests.convert_helpers import FAST, fast_args, run
 from tests.tiny_models import save_tiny_source
 
@@ -183,10 +184,8 @@ def test_calibration_sizes_are_checked_before_any_work(tiny_sources, tmp_path, a
     code, text = run(tiny_sources["llama_gqa"], tmp_path / "out", *base, *args)
     assert code == 2 and args[0] in text and "x>=" in text, text
     assert list(tmp_path.iterdir()) == []
-    bad = dict(FAST, calib_seq_len=1)
-    for fn in (convert, convert_streaming):
-        with pytest.raises(ConversionError, match="--calib-seq-len must be >= 2"):
-            fn(str(tiny_sources["llama_gqa"]), tmp_path / "out", ConvertOptions(**bad))
+    with pytest.raises(OptionsError, match=r"--calib-seq-len \(calib_seq_len\) must be >= 2; got 1"):
+        ConvertOptions(**dict(FAST, calib_seq_len=1))  # refused when made, before either pipeline runs
     assert list(tmp_path.iterdir()) == []
     code, text = run(
         tiny_sources["llama_gqa"], tmp_path / "ok", *base, "--calib-seq-len", 2, "--calib-samples", 2

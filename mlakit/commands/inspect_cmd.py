@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -9,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..choices import ALLOCATIONS
 from .common import user_errors, verbosity_options
+from .option_flags import option_flags
 
 if TYPE_CHECKING:
-    from ..convert.pipeline import ConvertOptions
+    from ..options import ConvertOptions
 
 # The conversion modules (torch, transformers) are imported in the functions that use them, so that
 # `mla-convert --help` and usage errors answer without loading them.
@@ -243,70 +244,27 @@ def _check_out(out: str) -> Path:
     return path
 
 
-def _budget(ctx, param, value):
-    if value is not None and not 0 < value <= 1:
-        raise click.BadParameter(
-            f"must be a fraction in (0, 1] of the source's cached values per token "
-            f"(e.g. 0.3125 = 68.75% reduction); got {value:g}"
-        )
-    return value
-
-
 @click.command("inspect")
 @click.argument("src")
-@click.option(
-    "--kv-budget",
-    type=float,
-    callback=_budget,
-    help="Also show the per-layer plan `convert --kv-budget` would build for this fraction "
-    "of the source's cached values per token (e.g. 0.3125).",
-)
-@click.option(
-    "--allocation",
-    type=click.Choice(list(ALLOCATIONS)),
-    default="auto",
-    show_default=True,
-    help="How the plan spreads --kv-budget over layers, as for `convert` (auto: fisher, as the in-memory "
-    "pipeline does).",
-)
-@click.option(
-    "--calib",
-    default="builtin",
-    show_default=True,
-    help="Calibration text: builtin, a text file, hf:NAME[:CONFIG[:SPLIT]], or random (token ids; "
-    "for tokenizer-less test models).",
-)
-@click.option(
-    "--calib-samples",
-    type=click.IntRange(min=1),
-    default=128,
-    show_default=True,
-    help="Calibration sequences.",
-)
-@click.option(
-    "--calib-seq-len",
-    type=click.IntRange(min=2),
-    default=256,
-    show_default=True,
-    help="Tokens per calibration sequence.",
-)
+@option_flags(
+    "kv_budget", "allocation", "calib", "calib_samples", "calib_seq_len", "device",
+    help={"kv_budget": "Also show the per-layer plan `convert --kv-budget` would build for this fraction of the "
+                       "source's cached values per token (e.g. 0.3125)."},
+)  # fmt: skip
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
     help=f"Directory for {REPORT_JSON} and {FIGURE_PNG}, written atomically (an earlier inspect "
     "output there is replaced); without it only the table is printed.",
 )
-@click.option("--device", default="cpu", show_default=True, help="Device for the calibration pass.")
 @verbosity_options
 @user_errors
 def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_len, out, device, quiet):
     """Per-layer K/V/rotary spectra of SRC (model directory, .gguf file, hub id, or 'default')."""
-    from ..convert.output_dir import atomic_output
-    from ..convert.pipeline import ConvertOptions
-    from ..convert.writer import write_json
+    from ..options import ConvertOptions
 
     out_path = _check_out(out) if out else None
-    opts = ConvertOptions(
+    opts = ConvertOptions(  # checked before torch is imported
         kv_budget=kv_budget,
         allocation=allocation,
         calib=calib,
@@ -315,6 +273,11 @@ def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_
         device=device,
         quiet=quiet,
     )
+    from ..convert.output_dir import atomic_output
+    from ..convert.run import resolve_device
+    from ..convert.writer import write_json
+
+    opts = dataclasses.replace(opts, device=resolve_device(opts.device))  # auto: cuda when visible
     report = inspect_source(src, opts)
     click.echo(format_table(report))
     if out_path is not None:

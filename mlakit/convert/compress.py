@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import MIXINGS
 from .layer_metrics import LayerMetrics
 from .low_rank import LOWRANK_METHODS, bkv_metric, full_rank, metric_factor, output_metric, weight_svd
 from .mla_layer import AttentionWeights, MLAWeights, convert_attention
@@ -26,8 +27,8 @@ class Method:
             raise ValueError(f"rope method {self.rope!r} is not one of {', '.join(ROPE_METHODS)}")
         if self.lowrank not in LOWRANK_METHODS:
             raise ValueError(f"low-rank method {self.lowrank!r} is not one of {', '.join(LOWRANK_METHODS)}")
-        if self.mixing not in ("pca", "none"):
-            raise ValueError(f"mixing {self.mixing!r} is not one of pca, none")
+        if self.mixing not in MIXINGS:
+            raise ValueError(f"mixing {self.mixing!r} is not one of {', '.join(MIXINGS)}")
         if self.fold < 0:
             raise ValueError("fold must be 0 (auto) or a positive divisor of head_dim/2")
 

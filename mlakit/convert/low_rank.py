@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..choices import LOWRANK_METHODS
 from .block_metric import BlockMetric, as_block_metric
 from .layer_metrics import LayerMetrics
 from .mla_layer import nope_key_coefficients
@@ -38,7 +39,6 @@ __all__ = [
     "weight_svd",
 ]
 
-LOWRANK_METHODS = ("rrr", "bkv_pca", "svd")
 
 
 def full_rank(w_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

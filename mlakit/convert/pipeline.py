@@ -7,9 +7,9 @@ resume. The settings helpers live in ``settings`` and are importable from here t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from ..options import ConvertOptions
 from .run import resolve_device, run_conversion  # noqa: F401 - the CLI runs these
 from .run_state import StreamOptions
 from .settings import (  # noqa: F401 - the API's names
@@ -33,29 +33,6 @@ from .settings import (  # noqa: F401 - the API's names
 from .verify import logit_report, verify_token_ids  # noqa: F401
 
 __all__ = ["ConversionError", "ConvertOptions", "StreamOptions", "convert", "convert_streaming"]
-
-
-@dataclass
-class ConvertOptions:
-    kv_lora_rank: int | str = "full"
-    rope_dim: int | str = "full"
-    kv_budget: float | None = None  # fraction of the source's cached values per token; overrides the two above
-    allocation: str = "auto"  # how a kv_budget is spread over layers: rank_plan.ALLOCATIONS
-    rope_method: str = "scored"
-    lowrank_method: str = "auto"
-    fold: int = 0  # 0 = auto (see rope_select.auto_fold)
-    mixing: str = "pca"
-    stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
-    target: str = "any"  # serving engine whose MLA kernels the plan must fit: engine_target.TARGETS
-    calib: str = "builtin"
-    calib_samples: int = 128
-    calib_seq_len: int = 256
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    overwrite: bool = False
-    verify: bool = True
-    quiet: bool = False
 
 
 def convert(src: str, out: str | Path, opts: ConvertOptions | None = None, recipe=None, precheck=None,

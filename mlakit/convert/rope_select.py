@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..choices import STOCK_ROPE_METHODS
+from ..choices import ROPE_METHODS, STOCK_ROPE_METHODS
 from .layer_metrics import LayerMetrics
 from .mla_layer import AttentionWeights, grouped_keys
 from .rope_split import RopePlan, high_frequency_plan, identity_mixing
@@ -32,7 +32,6 @@ __all__ = [
     "ROPE_METHODS", "STOCK_ROPE_METHODS", "auto_fold", "check_stock_rope_dim", "component_costs", "key_group_covariance", "pca_mixing", "rope_error", "select_rope",
 ]
 
-ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")
 
 
 def check_stock_rope_dim(head_dim: int, rope_dim: int) -> None:

@@ -19,7 +19,7 @@ from .rank_plan import ALLOCATIONS
 from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
 
 if TYPE_CHECKING:
-    from .pipeline import ConvertOptions
+    from ..options import ConvertOptions
     from .source import Source
 
 __all__ = [
@@ -177,23 +177,9 @@ def needs_calibration(opts: ConvertOptions, shape: dict) -> bool:
 
 
 def effective_recipe(opts: ConvertOptions, base=None):
-    """The recipe that reproduces OPTS (saved beside the weights)."""
-    from ..recipes import Calibration, MethodSpec, Recipe
+    """The recipe that reproduces OPTS (saved beside the weights), named as BASE was."""
+    from ..recipes import Recipe
 
-    budget = opts.kv_budget is not None
-    return Recipe(
-        name=getattr(base, "name", None),
-        description=getattr(base, "description", None),
-        kv_budget=opts.kv_budget,
-        allocation=opts.allocation,
-        kv_lora_rank=None if budget else opts.kv_lora_rank,
-        rope_dim=None if budget else opts.rope_dim,
-        method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing,
-                          stock_rope=opts.stock_rope),
-        target=opts.target,
-        calibration=Calibration(data=opts.calib, samples=opts.calib_samples, seq_len=opts.calib_seq_len,
-),
-        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
-    )
+    return Recipe.from_options(opts, getattr(base, "name", None), getattr(base, "description", None))
 
 

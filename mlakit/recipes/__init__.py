@@ -1,66 +1,115 @@
-"""Conversion recipes: YAML files validated by pydantic (unknown keys are errors).
+"""Conversion recipes: ``ConvertOptions`` serialised, with a name and a description.
 
+A recipe's keys are the recipe fields of ``mlakit.options.ConvertOptions`` (``RECIPE_FIELDS``),
+validated by that model: a misspelt key or a bad value (a method name, a budget) is a
+``RecipeError`` naming the key, its flag and the allowed values, before any model is read.
 The same objects work from Python and YAML::
 
     recipe = Recipe.load("smollm2-135m")          # a built-in name or a path to a .yaml file
     opts = recipe.to_options(overwrite=True)      # ConvertOptions for mlakit.convert.pipeline.convert
+
+Recipes written before the options were declared once nest some keys (``method: {rope, lowrank,
+fold, mixing, stock_rope}``, ``calibration: {data, samples, seq_len}``, ``null`` ranks next to a
+budget); ``LEGACY_KEYS`` maps them onto the fields, so old ``recipe.yaml`` files keep loading.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from importlib import resources
 from pathlib import Path
-from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..choices import MIN_CALIB_SEQ_LEN
+from ..options import RECIPE_FIELDS, ConvertOptions, format_errors
 
-__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+__all__ = [
+    "BUILTIN_RECIPES", "LEGACY_KEYS", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError",
+]  # fmt: skip
+
+BUILTIN_RECIPES = ("smollm2-135m", "llama-2-7b", "llama-3-8b", "qwen2.5-7b", "mistral-7b-v0.3")
+
+# legacy nested block -> {its key: the ConvertOptions field}
+LEGACY_KEYS = {
+    "method": {"rope": "rope_method", "lowrank": "lowrank_method", "fold": "fold", "mixing": "mixing",
+               "stock_rope": "stock_rope"},
+    "calibration": {"data": "calib", "samples": "calib_samples", "seq_len": "calib_seq_len"},
+}  # fmt: skip
 
 
 class RecipeError(ValueError):
     pass
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MethodSpec(dict):
+    """A legacy ``method:`` block (rope, lowrank, fold, mixing, stock_rope); Recipe maps it onto fields."""
 
 
-class MethodSpec(_Strict):
-    rope: Literal["scored", "transmla", "high", "uniform", "norm"] = "scored"
-    lowrank: Literal["auto", "rrr", "bkv_pca", "svd"] = "auto"
-    fold: int = Field(0, ge=0)  # 0 = auto
-    mixing: Literal["pca", "none"] = "pca"
-    stock_rope: bool = False  # rope the stock deepseek-v3 export can express
+class Calibration(dict):
+    """A legacy ``calibration:`` block (data, samples, seq_len); Recipe maps it onto fields."""
 
 
-class Calibration(_Strict):
-    data: str = "builtin"
-    samples: int = Field(128, ge=1)
-    seq_len: int = Field(256, ge=MIN_CALIB_SEQ_LEN)
+def _flatten(data: dict) -> tuple[dict, dict]:
+    """DATA with legacy blocks and ``null`` ranks mapped onto fields, and field -> the legacy key used."""
+    data, aliases = dict(data), {}
+    for block, keys in LEGACY_KEYS.items():
+        if block not in data:
+            continue
+        nested = data.pop(block)
+        if not isinstance(nested, dict):
+            raise RecipeError(
+                f"{block} must be a mapping of {', '.join(keys)} (or use the flat keys "
+                f"{', '.join(keys.values())})"
+            )
+        for key, value in nested.items():
+            if key not in keys:
+                raise RecipeError(f"{block}.{key} is not a recipe key; {block} takes {', '.join(keys)}")
+            data[keys[key]], aliases[keys[key]] = value, f"{block}.{key}"
+    for name in ("kv_lora_rank", "rope_dim"):
+        if name in data and data[name] is None:  # legacy: unset (the budget plans it)
+            del data[name]
+    return data, aliases
 
 
-class Recipe(_Strict):
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     name: str | None = None
     description: str | None = None
-    kv_budget: float | None = Field(None, gt=0, le=1)
-    allocation: Literal["auto", "uniform", "planned", "fisher"] = "auto"
-    kv_lora_rank: int | Literal["full"] | None = None
-    rope_dim: int | Literal["full"] | None = None
-    method: MethodSpec = MethodSpec()
-    calibration: Calibration = Calibration()
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # serving engine whose MLA kernels the plan must fit (vllm: 512 + 64 in every layer; engine_target.py)
-    target: Literal["any", "vllm"] = "any"
+    options: ConvertOptions = Field(default_factory=ConvertOptions)
 
-    @field_validator("kv_lora_rank", "rope_dim")
+    @model_validator(mode="before")
     @classmethod
-    def _positive(cls, v):
-        if isinstance(v, int) and v < 0:
-            raise ValueError("must be 'full' or a non-negative integer")
-        return v
+    def _options_from_keys(cls, data):
+        """Recipe fields may be given flat (``Recipe(kv_budget=0.5)``, a YAML file): they become ``options``."""
+        if not isinstance(data, dict):
+            return data
+        data, _ = _flatten(data)
+        flat = {k: data.pop(k) for k in list(data) if k in RECIPE_FIELDS}
+        if flat:
+            base = data.get("options", ConvertOptions())
+            base = asdict(base) if isinstance(base, ConvertOptions) else dict(base)
+            data["options"] = base | flat
+        return data
+
+    def __getattr__(self, name: str):
+        """A recipe field reads its option: ``recipe.kv_budget`` is ``recipe.options.kv_budget``."""
+        if name in RECIPE_FIELDS:
+            return getattr(self.options, name)
+        return super().__getattr__(name)
+
+    @classmethod
+    def from_options(
+        cls, opts: ConvertOptions, name: str | None = None, description: str | None = None
+    ) -> Recipe:
+        """The recipe that reproduces OPTS (its run-time fields, like device, are not part of a recipe)."""
+        return cls(
+            name=name,
+            description=description,
+            options=ConvertOptions(**{k: v for k, v in asdict(opts).items() if k in RECIPE_FIELDS}),
+        )
 
     @classmethod
     def load(cls, name_or_path: str | Path) -> Recipe:
@@ -71,8 +120,10 @@ class Recipe(_Strict):
         elif path.is_file():
             text, source = path.read_text(), str(path)
         else:
-            raise RecipeError(f"recipe {name_or_path!r} is neither a built-in ({', '.join(BUILTIN_RECIPES)}) "
-                              f"nor an existing YAML file")
+            raise RecipeError(
+                f"recipe {name_or_path!r} is neither a built-in ({', '.join(BUILTIN_RECIPES)}) "
+                f"nor an existing YAML file"
+            )
         return cls.from_yaml(text, source)
 
     @classmethod
@@ -82,39 +133,31 @@ class Recipe(_Strict):
         except yaml.YAMLError as exc:
             raise RecipeError(f"{source} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
-            raise RecipeError(f"{source} must be a mapping of recipe fields")
+            raise RecipeError(f"{source} must be a mapping of recipe keys")
         try:
-            return cls.model_validate(data)
+            flat, aliases = _flatten(data)
+        except RecipeError as exc:
+            raise RecipeError(f"{source} is invalid: {exc}") from exc
+        keys = ("name", "description", *RECIPE_FIELDS)
+        unknown = [k for k in flat if k not in keys]
+        if unknown:
+            raise RecipeError(
+                f"{source} is invalid: unknown key{'s' * (len(unknown) > 1)} "
+                f"{', '.join(map(repr, unknown))}; recipe keys: {', '.join(keys)}"
+            )
+        try:
+            return cls.model_validate(flat)
         except ValidationError as exc:
-            lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-            fields = ", ".join(cls.model_fields)
-            raise RecipeError(f"{source} is invalid:\n  " + "\n  ".join(lines) + f"\nrecipe fields: {fields}") from exc
+            lines = format_errors(exc, prefix=("options",), aliases=aliases)
+            raise RecipeError(
+                f"{source} is invalid:\n  " + "\n  ".join(lines) + f"\nrecipe keys: {', '.join(keys)}"
+            ) from None
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The recipe as YAML: name, description and every recipe field (``from_yaml`` reads it back)."""
+        fields = {k: v for k, v in asdict(self.options).items() if k in RECIPE_FIELDS}
+        return yaml.safe_dump({"name": self.name, "description": self.description} | fields, sort_keys=False)
 
-    def to_options(self, **overrides):
-        """ConvertOptions for this recipe; OVERRIDES (e.g. CLI flags) win over recipe fields."""
-        from ..convert.pipeline import ConvertOptions
-
-        fields = dict(
-            kv_budget=self.kv_budget,
-            allocation=self.allocation,
-            kv_lora_rank="full" if self.kv_lora_rank is None else self.kv_lora_rank,
-            rope_dim="full" if self.rope_dim is None else self.rope_dim,
-            rope_method=self.method.rope,
-            lowrank_method=self.method.lowrank,
-            fold=self.method.fold,
-            mixing=self.method.mixing,
-            stock_rope=self.method.stock_rope,
-            calib=self.calibration.data,
-            calib_samples=self.calibration.samples,
-            calib_seq_len=self.calibration.seq_len,
-            dtype=self.dtype,
-            target=self.target,
-        )
-        fields.update(overrides)
-        return ConvertOptions(**fields)
-
-
-BUILTIN_RECIPES = ("smollm2-135m", "llama-2-7b", "llama-3-8b", "qwen2.5-7b", "mistral-7b-v0.3")
+    def to_options(self, **overrides) -> ConvertOptions:
+        """ConvertOptions for this recipe; OVERRIDES (e.g. CLI flags, run-time fields) win over its fields."""
+        return replace(self.options, **overrides) if overrides else self.options

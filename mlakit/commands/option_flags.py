@@ -1,0 +1,104 @@
+"""Click flags generated from ``mlakit.options.ConvertOptions``: one declaration, every command.
+
+Each field becomes ``--field-name`` with the field's type, default, choices, range and help;
+``verify`` becomes ``--verify/--no-verify``. ``given_options`` tells which of them the user typed,
+so that a recipe's value is replaced only by a flag given on the command line.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+
+import annotated_types
+import click
+from click.core import ParameterSource
+
+from ..options import ConvertOptions, field_flag
+from .common import rank_option_type
+
+__all__ = ["FLAG_FIELDS", "given_options", "option_flags"]
+
+_FIELDS = ConvertOptions.__pydantic_fields__
+FLAG_FIELDS = tuple(n for n, f in _FIELDS.items() if "flag" not in (f.json_schema_extra or {}))
+
+
+def _bounds(metadata) -> dict:
+    out = {}
+    for item in metadata:
+        for key in ("ge", "gt", "le", "lt"):
+            if getattr(item, key, None) is not None and isinstance(item, annotated_types.BaseMetadata):
+                out[key] = getattr(item, key)
+    return out
+
+
+def _click_type(annotation, metadata):
+    """The click type of a field: Choice for a Literal, a range for bounded numbers, rank-or-'full'."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Literal:
+        return click.Choice(args)
+    if origin in (typing.Union, types.UnionType):
+        if typing.Literal["full"] in args:
+            return rank_option_type  # bounds and evenness are checked by ConvertOptions
+        (annotation,) = [a for a in args if a is not type(None)]  # optional: None is the default, not a value
+    bounds = _bounds(metadata)
+    if annotation is int:
+        return click.IntRange(min=bounds.get("ge"), max=bounds.get("le")) if bounds else int
+    if annotation is float:
+        if not bounds:
+            return float
+        return click.FloatRange(
+            min=bounds.get("ge", bounds.get("gt")), max=bounds.get("le", bounds.get("lt")),
+            min_open="gt" in bounds, max_open="lt" in bounds,
+        )  # fmt: skip
+    return None
+
+
+def _option(name: str, help_text: str | None = None):
+    info = _FIELDS[name]
+    help_text = help_text or info.description
+    if info.annotation is bool:
+        if info.default:
+            return click.option(
+                f"--{name.replace('_', '-')}/{field_flag(name)}",
+                name,
+                default=True,
+                show_default=True,
+                help=help_text,
+            )
+        return click.option(field_flag(name), name, is_flag=True, default=False, help=help_text)
+    kind = _click_type(info.annotation, info.metadata)
+    return click.option(
+        field_flag(name),
+        name,
+        type=kind,
+        default=info.default,
+        show_default=info.default is not None,
+        help=help_text,
+    )
+
+
+def option_flags(*names: str, help: dict[str, str] | None = None):  # noqa: A002 (click's word)
+    """Decorator adding the flags of the ConvertOptions fields NAMES (all of FLAG_FIELDS when empty),
+    in field order; the command receives each as a keyword named like the field. HELP: field -> the
+    help text for a command that uses the option differently (inspect's --kv-budget only shows a plan)."""
+    names = names or FLAG_FIELDS
+    unknown = set(names) - set(FLAG_FIELDS)
+    assert not unknown, f"not ConvertOptions fields with a flag: {sorted(unknown)}"
+
+    def decorate(fn):
+        for name in reversed([n for n in FLAG_FIELDS if n in names]):
+            fn = _option(name, (help or {}).get(name))(fn)
+        return fn
+
+    return decorate
+
+
+def given_options(values: dict) -> dict:
+    """The entries of VALUES (field -> flag value) that the user gave (command line or environment)."""
+    ctx = click.get_current_context()
+    return {
+        k: v
+        for k, v in values.items()
+        if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)
+    }

@@ -1,0 +1,270 @@
+"""The conversion options, declared once: types, defaults, bounds, cross-field rules and help.
+
+``ConvertOptions`` is a frozen, validated pydantic dataclass. The same fields are read by
+
+- the Python API (``mlakit.convert.pipeline.convert(src, out, ConvertOptions(...))``);
+- the CLI: ``commands/option_flags.py`` makes each field a click flag (name, type, default,
+  choices, range and help come from here);
+- recipes: a recipe is these fields serialised (``mlakit.recipes.Recipe``).
+
+A bad value is an ``OptionsError`` naming the field, its flag and the allowed values, raised when
+the options are made: before a source is opened. Torch-free, so ``mla-convert --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic.dataclasses import dataclass
+
+from .choices import (
+    ALLOCATIONS,
+    DTYPE_NAMES,
+    LOWRANK_METHODS,
+    MIN_CALIB_SEQ_LEN,
+    MIXINGS,
+    ROPE_METHODS,
+    STOCK_ROPE_METHODS,
+    TARGETS,
+)
+
+__all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError", "field_flag", "format_errors"]
+
+# Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
+RECIPE_FIELDS = (
+    "kv_lora_rank", "rope_dim", "kv_budget", "allocation", "rope_method", "lowrank_method", "fold", "mixing",
+    "stock_rope", "target", "calib", "calib_samples", "calib_seq_len", "dtype",
+)  # fmt: skip
+
+_RUN = {"recipe": False}  # json_schema_extra of the fields not in RECIPE_FIELDS (checked below)
+_NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--quiet
+
+
+class OptionsError(ValueError):
+    """An option value is out of range or contradicts another; the message names field, flag and fix."""
+
+
+def field_flag(name: str) -> str:
+    """The CLI flag of field NAME: ``calib_seq_len`` -> ``--calib-seq-len`` (``verify`` -> ``--no-verify``)."""
+    return "--no-verify" if name == "verify" else "--" + name.replace("_", "-")
+
+
+Rank = Annotated[int, Field(ge=1)] | Literal["full"]
+RopeDim = Annotated[int, Field(ge=0)] | Literal["full"]
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class ConvertOptions:
+    kv_lora_rank: Annotated[
+        Rank, Field(description="Latent rank r of every layer, or 'full' (lossless).")
+    ] = "full"
+    rope_dim: Annotated[RopeDim, Field(description="Shared rotary key dims d_R (even), or 'full'.")] = "full"
+    kv_budget: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            le=1,
+            description="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75% reduction), "
+            "allocated across layers; replaces --kv-lora-rank (--rope-dim, if given, fixes the rotary dims).",
+        ),
+    ] = None
+    allocation: Annotated[
+        Literal[ALLOCATIONS],
+        Field(
+            description="With --kv-budget: the same rank in every layer (uniform), ranks that minimise the summed "
+            "log errors (planned), or ranks half-way from uniform toward those of least KL from the source, as "
+            "predicted from each layer's measured loss sensitivity (fisher; when streaming, a layer-by-layer "
+            "backward sweep). auto: fisher in memory, uniform when streaming or exporting to deepseek-v3."
+        ),
+    ] = "auto"
+    rope_method: Annotated[Literal[ROPE_METHODS], Field(description="How the rotary subspace is chosen.")] = (
+        "scored"
+    )
+    lowrank_method: Annotated[
+        Literal[("auto", *LOWRANK_METHODS)],
+        Field(
+            description="How the latent is factorised. auto: rrr when the cache keeps at least a quarter of the "
+            "source's values, bkv_pca below (pipeline.AUTO_RRR_FROM names the bench)."
+        ),
+    ] = "auto"
+    fold: Annotated[
+        int,
+        Field(
+            ge=0,
+            description="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
+            "(fold more when fewer rotary components are kept).",
+        ),
+    ] = 0
+    mixing: Annotated[
+        Literal[MIXINGS],
+        Field(description="Rotary mixing within a FreqFold group: pca (RoRoPE) or none."),
+    ] = "pca"
+    stock_rope: Annotated[
+        bool,
+        Field(
+            description="Keep rotary components only at every k-th source frequency, one per FreqFold group, so "
+            "the stock deepseek-v3 export can express the rope (implied by --format deepseek-v3)."
+        ),
+    ] = False
+    target: Annotated[
+        Literal[TARGETS],
+        Field(
+            description="Serving engine the plan must fit. vllm: r = 512 latent + d_R = 64 rope dims in every "
+            "layer, the only shape vLLM's CPU, FlashMLA and CUTLASS MLA kernels take (its MLA layer refuses "
+            "r + d_R outside 320, 512, 576); replaces a recipe's budget, refuses conflicting flags and sources "
+            "that cache at most 576 values per layer (nothing to gain). With --format deepseek-v3 also refuses "
+            "what vLLM's DeepSeek model misreads. any: no engine constraint."
+        ),
+    ] = "any"
+    calib: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description="Calibration text: builtin, a text file, hf:NAME[:CONFIG[:SPLIT]], or random (token ids; "
+            "for tokenizer-less test models).",
+        ),
+    ] = "builtin"
+    calib_samples: Annotated[int, Field(ge=1, description="Calibration sequences.")] = 128
+    calib_seq_len: Annotated[
+        int,
+        # choices.MIN_CALIB_SEQ_LEN says why one token cannot rank rotary components
+        Field(ge=MIN_CALIB_SEQ_LEN, description="Tokens per calibration sequence."),
+    ] = 256
+    dtype: Annotated[
+        Literal[("auto", *DTYPE_NAMES)], Field(description="Output dtype; auto keeps the source's.")
+    ] = "auto"
+    device: Annotated[
+        str,
+        Field(
+            pattern=r"^(cpu|auto|cuda(:\d+)?)$",
+            description="cpu, cuda, cuda:N or auto (cuda when visible): where calibration, the per-layer math "
+            "and verification run.",
+            json_schema_extra=_RUN,
+        ),
+    ] = "cpu"
+    seed: Annotated[
+        int, Field(description="Seed of the calibration sampling and of torch.", json_schema_extra=_RUN)
+    ] = 0
+    overwrite: Annotated[
+        bool,
+        Field(description="Replace OUT if it is an earlier mlakit output or empty.", json_schema_extra=_RUN),
+    ] = False
+    verify: Annotated[
+        bool,
+        Field(
+            description="Reload OUT and compare its logits with the source's (--no-verify skips it).",
+            json_schema_extra=_RUN,
+        ),
+    ] = True
+    quiet: Annotated[bool, Field(description="No progress bars.", json_schema_extra=_NO_FLAG)] = False
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self):
+        if self.rope_dim != "full" and self.rope_dim % 2:
+            raise ValueError(
+                f"--rope-dim must be even (rotary dims come in pairs); got {self.rope_dim}, "
+                f"use {self.rope_dim - 1} or {self.rope_dim + 1}"
+            )
+        if self.stock_rope and self.rope_method not in STOCK_ROPE_METHODS:
+            raise ValueError(
+                f"--stock-rope works with --rope-method {' or '.join(STOCK_ROPE_METHODS)}; got "
+                f"{self.rope_method!r}: pick one of those or drop --stock-rope"
+            )
+        if self.kv_budget is not None and self.kv_lora_rank != "full":
+            raise ValueError(
+                f"--kv-budget {self.kv_budget} and --kv-lora-rank {self.kv_lora_rank} both set the latent rank: "
+                f"give one (a budget plans each layer's rank)"
+            )
+        return self
+
+
+_FIELDS = ConvertOptions.__pydantic_fields__
+assert set(RECIPE_FIELDS) == {
+    n for n, f in _FIELDS.items() if (f.json_schema_extra or {}).get("recipe", True)
+}
+
+
+def _describe(error: dict) -> str:
+    """One pydantic error as 'must be ...' text."""
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
+            kind
+        ]
+        return f"must be {sign} {next(iter(ctx.values()))}"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected']}"
+    if kind == "string_pattern_mismatch":
+        return f"must match {ctx['pattern']}"
+    msg = str(error["msg"]).removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
+
+
+def _allowed(name: str, errors: list[dict]) -> str:
+    """What field NAME accepts; a union field (rank or 'full') gets one sentence, not one per member."""
+    if name == "kv_lora_rank":
+        return "must be 'full' or an integer >= 1"
+    if name == "rope_dim":
+        return "must be 'full' or an even integer >= 0"
+    if name == "kv_budget":
+        return "must be a fraction in (0, 1] (or unset)"
+    if name == "device" and errors[0]["type"] == "string_pattern_mismatch":
+        return "must be one of cpu, cuda, cuda:N, auto"
+    return _describe(errors[0])
+
+
+def format_errors(exc: ValidationError, prefix: tuple = (), aliases: dict | None = None) -> list[str]:
+    """Lines naming each bad option: field, flag, what it accepts and the value given.
+
+    PREFIX: the location of the options inside a larger model (a recipe's ``("options",)``: its keys
+    are named first; otherwise the flags are);
+    ALIASES: field -> the key the user wrote (a legacy recipe's ``method.rope``)."""
+    by_field: dict[str, list[dict]] = {}
+    other = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        if loc[: len(prefix)] == prefix and len(loc) > len(prefix) and loc[len(prefix)] in _FIELDS:
+            by_field.setdefault(loc[len(prefix)], []).append(error)
+        else:
+            other.append(error)
+    lines = []
+    for name, errors in by_field.items():
+        given = errors[0].get("input")
+        flag = field_flag(name) if _FIELDS[name].json_schema_extra != _NO_FLAG else None
+        if prefix:  # a recipe: its key first, then the field it maps to and the flag
+            key = aliases.get(name, name) if aliases else name
+            head = f"{key} ({', '.join(n for n in (name if key != name else None, flag) if n)})"
+        else:  # Python or CLI: the flag first
+            head = f"{flag} ({name})" if flag else name
+        lines.append(f"{head} {_allowed(name, errors)}; got {given!r}")
+    for error in other:
+        loc = ".".join(
+            map(
+                str,
+                error["loc"][len(prefix) :] if tuple(error["loc"][: len(prefix)]) == prefix else error["loc"],
+            )
+        )
+        if error["type"] == "unexpected_keyword_argument" or error["type"] == "extra_forbidden":
+            lines.append(f"unknown option {loc!r}")
+        else:
+            lines.append(f"{loc + ': ' if loc else ''}{_describe(error)}")
+    return lines
+
+
+_validated_init = ConvertOptions.__init__
+
+
+def _init(self, *args, **kwargs):
+    try:
+        _validated_init(self, *args, **kwargs)
+    except ValidationError as exc:
+        names = ", ".join(f.name for f in fields(ConvertOptions))
+        raise OptionsError(
+            "invalid conversion options:\n  " + "\n  ".join(format_errors(exc)) + f"\noptions: {names}"
+        ) from None
+
+
+# Python callers (and dataclasses.replace) get an OptionsError that names the flag, not pydantic's text.
+ConvertOptions.__init__ = _init
