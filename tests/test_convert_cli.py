@@ -203,10 +203,9 @@ def test_every_convert_flag_default_is_the_options_default():
     ],
 )
 def test_a_bad_recipe_fails_before_the_model_is_read(tiny_sources, tmp_path, monkeypatch, recipe, message):
-    from mlakit.convert import pipeline, streaming
+    from mlakit.convert import run as driver_run
 
-    for module in (pipeline, streaming):
-        monkeypatch.setattr(module, "open_source", lambda *a, **k: pytest.fail("the model was read"))
+    monkeypatch.setattr(driver_run, "open_source", lambda *a, **k: pytest.fail("the model was read"))
     (tmp_path / "r.yaml").write_text(recipe)
     code, text = run(tiny_sources["llama_gqa"], tmp_path / "out", "--recipe", tmp_path / "r.yaml")
     assert code == 2 and "Invalid value for --recipe" in text and message in text, text

@@ -201,12 +201,12 @@ def test_from_options_keeps_the_recipe_fields_and_drops_the_run_fields():
 @pytest.fixture
 def no_source(monkeypatch):
     """Fail the test if a conversion opens or resolves a source."""
-    from mlakit.convert import pipeline, source, streaming
+    from mlakit.convert import run, source
 
     def fail(*args, **kwargs):
         pytest.fail("the source was opened before the options were checked")
 
-    for module in (pipeline, streaming, source):
+    for module in (run, source):
         monkeypatch.setattr(module, "open_source", fail)
         monkeypatch.setattr(module, "resolve_source", fail)
 
