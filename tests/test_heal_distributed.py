@@ -143,3 +143,14 @@ def _assert_same_run(what: str, got: dict, got_dir: Path, want: dict, want_dir: 
     kl_err = abs(got["heldout_after"]["kl"] - want["heldout_after"]["kl"]) / want["heldout_after"]["kl"]
     assert kl_err < 1e-4, f"{what}: held-out KL differs by {kl_err:.2e} relative"
     print(f"held-out KL {kl_err:.2e} relative")
+
+
+def test_fsdp_on_cpu_is_refused_not_silently_replicated():
+    """accelerate's FSDP needs GPUs; on CPU it would run the launch as plain data parallel. (A
+    subprocess: accelerate's state is a per-process singleton.)"""
+    code = "from mlakit.heal.trainer import make_accelerator; make_accelerator()"
+    env = _env() | {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "HealError" in result.stderr and "drop --use_fsdp" in result.stderr

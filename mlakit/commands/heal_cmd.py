@@ -122,8 +122,9 @@ __all__ = ["heal_command"]
 def heal_command(out, dest, quiet, **flags):
     """Heal the converted model OUT by distillation from its original (--teacher); write DEST.
 
-    Trains with accelerate: run plainly for CPU or one GPU, or under `accelerate launch` with an
-    accelerate config for several GPUs (DDP, FSDP, DeepSpeed). DEST is written atomically in the
+    Trains with accelerate: run plainly for CPU or one GPU, or under `accelerate launch
+    --multi_gpu --num_processes N` / `torchrun --nproc-per-node N` for N processes (DDP; on CPU
+    over gloo), or with an accelerate config for FSDP/DeepSpeed on GPUs. DEST is written atomically in the
     same format as OUT, with the heal settings and held-out losses in conversion.json."""
     from mlakit.data import DataSpecError
     from mlakit.heal import HealOptions, heal

@@ -173,6 +173,7 @@ def make_accelerator():
     import os
 
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     accelerator = Accelerator(cpu=world > 1 and not torch.cuda.is_available())
@@ -182,6 +183,14 @@ def make_accelerator():
             f"{accelerator.num_processes}; each would train alone. Fix: launch with `accelerate launch "
             "--multi_gpu --num_processes N` or `torchrun --nproc-per-node N`, and set "
             "ACCELERATE_USE_CPU=1 on a machine without GPUs."
+        )
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
+        raise HealError(
+            f"FSDP was asked for (accelerate launch --use_fsdp) but accelerate runs this launch as "
+            f"{accelerator.distributed_type.value}: its FSDP needs GPUs, and on CPU it would silently "
+            "replicate the model on every process instead of sharding it. Fix: drop --use_fsdp to "
+            "train with DDP on CPU, or run FSDP on GPUs."
         )
     return accelerator
 
