@@ -17,10 +17,11 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def make_heal_pair(root: Path) -> tuple[Path, Path]:
+def make_heal_pair(root: Path, **convert_options) -> tuple[Path, Path]:
     """(teacher dir, student dir): a tiny Llama with weights scaled x4 (peaked next-token
     distributions), converted to MLA without compression, whose attention projections are then
-    perturbed by noise of 30% of their scale: a student with a real gap that training can close."""
+    perturbed by noise of 30% of their scale: a student with a real gap that training can close.
+    CONVERT_OPTIONS: more ConvertOptions fields (default: float32, the default method)."""
     model = build_tiny("llama_gqa")
     with torch.no_grad():
         for p in model.parameters():
@@ -28,7 +29,8 @@ def make_heal_pair(root: Path) -> tuple[Path, Path]:
                 p.mul_(4.0)
     model.config.architectures = ["LlamaForCausalLM"]
     model.save_pretrained(str(root / "teacher"))
-    convert(str(root / "teacher"), root / "student", ConvertOptions(dtype="float32", quiet=True))
+    options = {"dtype": "float32", "quiet": True} | convert_options
+    convert(str(root / "teacher"), root / "student", ConvertOptions(**options))
     student = weights(root / "student")
     gen = torch.Generator().manual_seed(5)
     for name, w in student.items():
