@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -157,6 +158,7 @@ def main():
         "train": args.train,
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
+        "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()],  # other users of the cores
         "median_seconds": med | {"floor (teacher forward + student fwd+bwd)": floor, "heal() step": heal_cli},
         "heal_step_parts_median_seconds": part_med,
         "tokens_per_second": {
@@ -175,8 +177,8 @@ def main():
     md = [
         f"Heal floor bench: {args.source} converted with `{args.recipe}` at --kv-budget {args.kv_budget:g}, "
         f"--train {args.train}, batch {args.batch_size} x {args.seq_len} = {tokens} tokens per step, "
-        f"{torch.get_num_threads()} CPU threads on a shared machine; medians of {args.rounds} rounds "
-        "(variants interleaved per round).",
+        f"{torch.get_num_threads()} CPU threads on a shared machine (load average at the end "
+        f"{os.getloadavg()[0]:.1f}); medians of {args.rounds} rounds (variants interleaved per round).",
         "",
         "| what | seconds/step | tokens/s |",
         "|---|---|---|",
