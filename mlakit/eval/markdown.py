@@ -69,6 +69,31 @@ def _model_rows(models: list[dict], original_ppl: float, original_kv: float) -> 
     return rows
 
 
+def _tasks_lines(tasks: dict, labels: list[str]) -> list[str]:
+    st = tasks["settings"]
+    shots = "each task's default shots" if st["num_fewshot"] is None else f"{st['num_fewshot']}-shot"
+    limit = "all documents" if st["limit"] is None else f"the first {st['limit']} documents"
+    lines = [
+        "## Downstream accuracy (lm-evaluation-harness)",
+        "",
+        f"lm-eval {st['harness_version']}, its HF wrapper around each loaded model, the same settings for "
+        f"every model: {shots}, {limit} per task, batch size {st['batch_size']}. Value ± the harness's "
+        "standard error.",
+        "",
+    ]
+    rows = []
+    for r in tasks["rows"]:
+        cells = [
+            f"{_fmt(v)} ± {_fmt(e)}" if e is not None else _fmt(v)
+            for v, e in (r["values"][x] for x in labels)
+        ]
+        base, last = r["values"][labels[0]][0], r["values"][labels[-1]][0]
+        delta = _fmt(last - base) if base is not None and last is not None else None
+        rows.append([r["task"], r["metric"], r["n_samples"], *cells, delta])
+    lines += _table(["task", "metric", "documents", *labels, f"{labels[-1]} - {labels[0]}"], rows)
+    return [*lines, "", "![task accuracy](task_accuracy.png)", ""]
+
+
 def eval_markdown(report: dict) -> str:
     orig, conv = report["original"], report["converted"]
     models = [orig, *(report.get("sweep") or [conv])]
@@ -121,6 +146,8 @@ def eval_markdown(report: dict) -> str:
         lines += ["![layer ranks](layer_ranks.png)", ""]
     if "ppl_vs_kv.png" in report.get("plots", []):
         lines += ["## Perplexity against KV budget", "", "![perplexity vs KV](ppl_vs_kv.png)", ""]
+    if report.get("tasks"):
+        lines += _tasks_lines(report["tasks"], [m["label"] for m in models])
     if report.get("samples"):
         lines += [
             "## Greedy continuations",

@@ -5,7 +5,13 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-__all__ = ["layer_ranks_figure", "kv_per_layer_figure", "ppl_vs_kv_figure", "bench_figure"]
+__all__ = [
+    "bench_figure",
+    "kv_per_layer_figure",
+    "layer_ranks_figure",
+    "ppl_vs_kv_figure",
+    "task_accuracy_figure",
+]
 
 
 def layer_ranks_figure(series: dict[str, list[dict]]) -> Figure:
@@ -97,4 +103,24 @@ def bench_figure(results: dict[str, list[dict]]) -> Figure:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
+    return fig
+
+
+def task_accuracy_figure(rows: list[dict], models: list[str]) -> Figure:
+    """Grouped bars: one group per task, one bar per model, with the harness's standard error.
+    ``rows`` have ``task``, ``metric`` and per model label ``{label: (value, stderr or None)}``."""
+    fig = Figure(figsize=(max(6, 1.6 * len(rows) + 2), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / max(len(models), 1)
+    for j, label in enumerate(models):
+        xs = [i + (j - (len(models) - 1) / 2) * width for i in range(len(rows))]
+        vals = [r["values"][label][0] for r in rows]
+        errs = [r["values"][label][1] or 0.0 for r in rows]
+        ax.bar(xs, vals, width, yerr=errs, capsize=3, label=label)
+    ax.set_xticks(range(len(rows)), [f"{r['task']}\n({r['metric']})" for r in rows], fontsize="small")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("Downstream accuracy (lm-evaluation-harness), ± standard error")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
     return fig

@@ -18,10 +18,11 @@ __all__ = [
     "HealError",
     "checkpoint_dirs",
     "latest_checkpoint",
-    "prepare_work_dir",
+    "check_work_dir",
     "read_weight_layout",
     "remove_work_dir",
     "save_checkpoint",
+    "write_run_settings",
     "write_healed",
 ]
 
@@ -151,9 +152,10 @@ def _differences(saved: dict, run: dict) -> str:
     return "; ".join(parts)
 
 
-def prepare_work_dir(work_dir: Path, resume: bool, run: dict) -> Path | None:
+def check_work_dir(work_dir: Path, resume: bool, run: dict) -> Path | None:
     """Check WORK_DIR against --resume and the run's settings and model fingerprints RUN; returns
-    the checkpoint to resume from (or None)."""
+    the checkpoint to resume from (or None). Reads only: every process runs it, so a refusal
+    stops all of them before any collective call."""
     settings_file = work_dir / SETTINGS_FILE
     ckpt = latest_checkpoint(work_dir)
     if ckpt is not None and not resume:
@@ -165,15 +167,28 @@ def prepare_work_dir(work_dir: Path, resume: bool, run: dict) -> Path | None:
         saved = json.loads(settings_file.read_text(encoding="utf-8")) if settings_file.is_file() else {}
         diff = _differences(saved, run)
         if diff:
+            hint = ""
+            if saved.get("sequences_per_step") != run.get("sequences_per_step"):
+                hint = (
+                    " Sequences per optimizer step are --batch-size x --grad-accum x processes; to resume "
+                    "with another process count, scale --batch-size or --grad-accum so that the product "
+                    f"stays {saved.get('sequences_per_step')}."
+                )
             raise HealError(
-                f"--resume with a different run than the checkpointed one in {work_dir} ({diff}). Fix: rerun "
-                f"with the original models and settings, or remove {work_dir} to start a new run."
+                f"--resume with a different run than the checkpointed one in {work_dir} ({diff}).{hint} Fix: "
+                f"rerun with the original models and settings, or remove {work_dir} to start a new run."
             )
     if resume and ckpt is None:
         logger.warning("--resume: no checkpoint in %s yet, starting from step 0", work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    settings_file.write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
     return ckpt
+
+
+def write_run_settings(work_dir: Path, run: dict) -> None:
+    """Record RUN (what a resume must match) in WORK_DIR; the main process only."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tmp = work_dir / f".{SETTINGS_FILE}.tmp"
+    tmp.write_text(json.dumps(run, indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, work_dir / SETTINGS_FILE)
 
 
 def remove_work_dir(work_dir: Path) -> None:

@@ -4,8 +4,17 @@ One optimizer step = ``grad_accum`` micro-batches of ``batch_size`` packed seque
 process. The teacher (the source model, frozen, eval mode, no_grad) gives final hidden
 states; the student's forward computes the chunked KL (+ optional LM) loss inside its own
 ``forward`` so that DDP/FSDP wrappers see every student parameter used there. Built on
-``accelerate``: CPU, one GPU, or several processes under an accelerate config (FSDP,
-DeepSpeed); only the single-process CPU path is exercised by the tests.
+``accelerate``: CPU, one GPU, or several processes (``accelerate launch`` / ``torchrun``;
+tested: DDP over gloo with two CPU processes, tests/test_heal_distributed.py).
+
+Several processes: every process walks the same seeded global sequence stream and trains on
+its own slice of each global micro-batch (process r takes sequences r*B..(r+1)*B-1 of the
+N*B drawn), so the processes see disjoint data and N processes at batch B compute what one
+process at batch N*B computes (the mean loss of equal shares, averaged by DDP's gradient
+all-reduce), up to float summation order. The data position, step and schedule count global
+sequences, so a DDP checkpoint resumes under another process count when the sequences per
+step (batch x accum x processes) stay the same; FSDP checkpoints are sharded and resume only
+under the same count. DEST is written once, by the main process, atomically.
 
 Checkpoints (``accelerator.save_state``) hold model, optimizer, scheduler, RNG states and
 the run's progress (step, data position, tokens, seconds, before-loss), so a resumed run
@@ -15,7 +24,6 @@ continues exactly where the checkpoint was taken.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -28,15 +36,15 @@ from tqdm.auto import tqdm
 from mlakit.convert.output_dir import check_output, claim_output, local_paths
 
 from .data import open_training_data
-from .loss import distill_loss
+from .models import StudentWithLoss, heldout_loss, load_models, read_student_config, teacher_parts
 from .output import (
     HealError,
-    latest_checkpoint,
-    prepare_work_dir,
+    check_work_dir,
     read_weight_layout,
     remove_work_dir,
     save_checkpoint,
     write_healed,
+    write_run_settings,
 )
 from .schedule import TRAIN_CHOICES, cosine_with_warmup, select_trainable
 
@@ -62,6 +70,9 @@ _RUN_KEYS = (
     "max_grad_norm",
     "val_sequences",
 )
+# What a resume checks: the same, except that the micro-batch split of a step may change
+# (another process count) as long as the sequences per optimizer step stay the same.
+_RESUME_KEYS = tuple(k for k in _RUN_KEYS if k not in ("batch_size", "grad_accum"))
 
 
 @dataclass
@@ -109,29 +120,6 @@ class _Progress:
             setattr(self, key, value)
 
 
-class _Student(torch.nn.Module):
-    """The student and its loss in one forward (what accelerate prepares and wraps)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, teacher_hidden, teacher_head, temperature, lm_weight, chunk_tokens):
-        base = getattr(self.model, self.model.base_model_prefix)
-        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, S, D)
-        out = distill_loss(
-            hidden,
-            teacher_hidden,
-            input_ids,
-            self.model.get_output_embeddings(),
-            teacher_head,
-            temperature,
-            lm_weight,
-            chunk_tokens,
-        )
-        return out.loss, torch.tensor([out.kl, out.student_nll])
-
-
 def _check_options(opts: HealOptions) -> None:
     def need(ok: bool, what: str) -> None:
         if not ok:
@@ -155,28 +143,12 @@ def _check_options(opts: HealOptions) -> None:
     need(opts.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {opts.keep_checkpoints}")
 
 
-def _read_student_config(out: Path) -> dict:
-    from mlakit.mla_model import MLAConfig
+def _run_settings(opts: HealOptions, out: Path, accelerator) -> dict:
+    """What a resumed run must share with the checkpointed one: the settings, the sequences per
+    optimizer step, the process count where checkpoints are sharded (FSDP), and the content of
+    both models (same shapes but other weights would otherwise continue silently)."""
+    from accelerate.utils import DistributedType
 
-    cfg_file = out / "config.json"
-    if not out.is_dir() or not cfg_file.is_file():
-        raise HealError(
-            f"{out} is not a converted model directory (no config.json); "
-            "pass the output directory of `mla-convert convert`"
-        )
-    config = json.loads(cfg_file.read_text(encoding="utf-8"))
-    if config.get("model_type") != MLAConfig.model_type:
-        raise HealError(
-            f"{out} holds model_type {config.get('model_type')!r}, not mlakit's "
-            f"{MLAConfig.model_type!r}; heal works on the native output of `mla-convert convert` "
-            "(heal before exporting to deepseek-v3)"
-        )
-    return config
-
-
-def _run_settings(opts: HealOptions, out: Path) -> dict:
-    """What a resumed run must share with the checkpointed one: the settings and the content of both
-    models (same shapes but other weights would otherwise continue silently)."""
     from mlakit.convert.fingerprint import content_fingerprint
     from mlakit.convert.source import SourceError, resolve_source
 
@@ -184,97 +156,92 @@ def _run_settings(opts: HealOptions, out: Path) -> dict:
         _, teacher_path = resolve_source(opts.teacher)
     except SourceError as exc:
         raise HealError(f"--teacher {opts.teacher!r}: {exc}") from exc
-    run = {k: getattr(opts, k) for k in _RUN_KEYS}
+    n = accelerator.num_processes
+    run = {k: getattr(opts, k) for k in _RESUME_KEYS}
     return run | {
+        "sequences_per_step": opts.batch_size * opts.grad_accum * n,
+        "fsdp_processes": n if accelerator.distributed_type == DistributedType.FSDP else None,
         "student_content": content_fingerprint(out),
         "teacher_content": content_fingerprint(teacher_path),
     }
 
 
-def _teacher_parts(teacher):
-    base = getattr(teacher, teacher.base_model_prefix)
-    return base, teacher.get_output_embeddings()
+def make_accelerator():
+    """An Accelerator for this launch. Under ``torchrun`` / ``accelerate launch --multi_gpu`` on a
+    machine without CUDA, accelerate would give every process a world of its own (each one
+    training alone and all racing to write DEST); asking for CPU makes them one gloo group."""
+    import os
 
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
-@torch.no_grad()
-def _heldout(student: _Student, teacher, val: torch.Tensor, batch: int, device, chunk_tokens: int) -> dict:
-    """Mean KL(teacher || student) at T = 1 and both models' NLL on the held-out sequences."""
-    base_t, head_t = _teacher_parts(teacher)
-    student.eval()
-    sums = torch.zeros(3, dtype=torch.float64)
-    n_pos = n_tgt = 0
-    for i in range(0, len(val), batch):
-        ids = val[i : i + batch].to(device)
-        ht = base_t(input_ids=ids, use_cache=False).last_hidden_state
-        loss, stats = student(ids, ht, head_t, 1.0, 0.0, chunk_tokens)
-        teacher_nll = distill_loss(ht, ht, ids, head_t, head_t, 1.0, 0.0, chunk_tokens).student_nll
-        B, S = ids.shape
-        sums += torch.tensor(
-            [float(stats[0]) * B * S, float(stats[1]) * B * (S - 1), teacher_nll * B * (S - 1)],
-            dtype=torch.float64,
-        )
-        n_pos, n_tgt = n_pos + B * S, n_tgt + B * (S - 1)
-    student.train()
-    kl, s_nll, t_nll = float(sums[0] / n_pos), float(sums[1] / n_tgt), float(sums[2] / n_tgt)
-    return {"kl": kl, "student_nll": s_nll, "teacher_nll": t_nll, "tokens": n_pos}
-
-
-def _load_models(out: Path, opts: HealOptions, device):
-    from mlakit.convert.source import SourceError, load_source_model
-    from mlakit.eval.loading import load_tokenizer
-    from mlakit.mla_model import load_converted
-
-    student = load_converted(out, torch.float32, "cpu")
-    teacher_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        teacher, teacher_tok = load_source_model(opts.teacher, teacher_dtype, str(device))
-    except SourceError as exc:
-        raise HealError(f"--teacher {opts.teacher!r}: {exc}") from exc
-    teacher.requires_grad_(False).eval()
-    v_s = student.get_output_embeddings().weight.shape[0]
-    v_t = teacher.get_output_embeddings().weight.shape[0]
-    if v_s != v_t:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accelerator = Accelerator(cpu=world > 1 and not torch.cuda.is_available())
+    if accelerator.num_processes != world:
         raise HealError(
-            f"teacher {opts.teacher!r} has a vocabulary of {v_t} tokens but the converted model {out} "
-            f"has {v_s}: distillation compares the two next-token distributions token by token. "
-            f"Fix: pass as --teacher the source model that {out} was converted from."
+            f"the launcher started {world} processes (WORLD_SIZE) but accelerate joined "
+            f"{accelerator.num_processes}; each would train alone. Fix: launch with `accelerate launch "
+            "--multi_gpu --num_processes N` or `torchrun --nproc-per-node N`, and set "
+            "ACCELERATE_USE_CPU=1 on a machine without GPUs."
         )
-    tokenizer = load_tokenizer([out]) or teacher_tok
-    return student, teacher, tokenizer, v_s
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_asked and accelerator.distributed_type != DistributedType.FSDP:
+        raise HealError(
+            f"FSDP was asked for (accelerate launch --use_fsdp) but accelerate runs this launch as "
+            f"{accelerator.distributed_type.value}: its FSDP needs GPUs, and on CPU it would silently "
+            "replicate the model on every process instead of sharding it. Fix: drop --use_fsdp to "
+            "train with DDP on CPU, or run FSDP on GPUs."
+        )
+    return accelerator
 
 
-def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None) -> dict:
+def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None, on_batch=None) -> dict:
     """Heal the converted model OUT by distillation from ``opts.teacher``; write DEST atomically.
 
-    Returns the heal report (also stored under ``heal`` in DEST/conversion.json). ON_STEP, if
-    given, is called as ``on_step(step)`` after every optimizer step (and its checkpoint).
+    Returns the heal report (also stored under ``heal`` in DEST/conversion.json). Hooks, called
+    on every process: ON_STEP as ``on_step(step)`` after every optimizer step (and its
+    checkpoint); ON_BATCH as ``on_batch(step, ids)`` with each (batch, seq_len) micro-batch this
+    process trains on in optimizer step STEP (1-based).
     """
-    from accelerate import Accelerator
-
     _check_options(opts)
     out, dest = Path(out).expanduser(), Path(dest).expanduser()
-    _read_student_config(out)
+    read_student_config(out)
     check_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
     work_dir = Path(opts.work_dir).expanduser() if opts.work_dir else dest.with_name(dest.name + ".heal-work")
     start_wall = time.time()
 
-    accelerator = Accelerator()
+    accelerator = make_accelerator()
     with (
         claim_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])
         if accelerator.is_main_process
         else (contextlib.nullcontext()) as claim
     ):
-        return _heal(accelerator, claim, out, work_dir, opts, on_step, start_wall)
+        return _heal(accelerator, claim, out, work_dir, opts, (on_step, on_batch), start_wall)
 
 
-def _heal(
-    accelerator, claim, out: Path, work_dir: Path, opts: HealOptions, on_step, start_wall: float
-) -> dict:
+def _throughput(accelerator, tokens: int, seconds: float) -> list[dict]:
+    """Training tokens and seconds of this session on every process (gathered to all)."""
+    local = torch.tensor([[float(tokens), float(seconds)]], dtype=torch.float64, device=accelerator.device)
+    rows = accelerator.gather(local).cpu().tolist() if accelerator.num_processes > 1 else local.tolist()
+    return [
+        {
+            "process": i,
+            "tokens": int(t),
+            "seconds": round(sec, 3),
+            "tokens_per_second": round(t / max(sec, 1e-9), 1),
+        }
+        for i, (t, sec) in enumerate(rows)
+    ]
+
+
+def _heal(accelerator, claim, out: Path, work_dir: Path, opts: HealOptions, hooks, start_wall: float) -> dict:
     from accelerate.utils import set_seed
 
+    on_step, on_batch = hooks
     set_seed(opts.seed)
     device = accelerator.device
-    student_model, teacher, tokenizer, vocab = _load_models(out, opts, device)
+    main = accelerator.is_main_process
+    student_model, teacher, tokenizer, vocab = load_models(out, opts.teacher, device)
     layout = read_weight_layout(out)
     data = open_training_data(opts.data, tokenizer, vocab, opts.seq_len, opts.seed, opts.val_sequences)
 
@@ -288,15 +255,15 @@ def _heal(
             f"(seq-len {opts.seq_len} x batch-size {opts.batch_size} x grad-accum {opts.grad_accum} "
             f"x {n_proc} processes). Fix: raise --tokens or lower those."
         )
-    # every input is checked: only now touch the work dir
-    resume_from = (
-        prepare_work_dir(work_dir, opts.resume, _run_settings(opts, out))
-        if accelerator.is_main_process
-        else latest_checkpoint(work_dir)
-    )
+    # every input is checked (on every process, so a refusal stops all): only now touch the work dir
+    run = _run_settings(opts, out, accelerator)
+    resume_from = check_work_dir(work_dir, opts.resume, run)
+    accelerator.wait_for_everyone()
+    if main:
+        write_run_settings(work_dir, run)
     warmup = opts.warmup if opts.warmup is not None else max(1, math.ceil(0.05 * total_steps))
     trained = select_trainable(student_model, opts.train)
-    student = _Student(student_model)
+    student = StudentWithLoss(student_model)
     params = [p for p in student.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=opts.lr, betas=(0.9, 0.95), weight_decay=opts.weight_decay)
     scheduler = cosine_with_warmup(optimizer, warmup, total_steps)
@@ -305,15 +272,16 @@ def _heal(
     params = [p for p in student.parameters() if p.requires_grad]  # as wrapped (FSDP flattens them)
     progress = _Progress()
     accelerator.register_for_checkpointing(scheduler, progress)
-    base_t, head_t = _teacher_parts(teacher)
+    base_t, head_t = teacher_parts(teacher)
+    heldout = lambda: heldout_loss(  # noqa: E731 - the same arguments before and after
+        accelerator, student, teacher, data.validation, opts.batch_size, opts.chunk_tokens
+    )
 
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         logger.info("resumed from %s (step %d, %d tokens)", resume_from, progress.step, progress.tokens)
     else:
-        progress.before = _heldout(
-            student, teacher, data.validation, opts.batch_size, device, opts.chunk_tokens
-        )
+        progress.before = heldout()
         logger.info(
             "before healing: held-out KL %.4f, student NLL %.4f, teacher NLL %.4f",
             progress.before["kl"],
@@ -321,11 +289,12 @@ def _heal(
             progress.before["teacher_nll"],
         )
     logger.info(
-        "training %d tensors (%d parameters), %d steps of %d tokens",
+        "training %d tensors (%d parameters), %d steps of %d tokens on %d process(es)",
         len(trained),
         n_params,
         total_steps,
         tokens_per_step,
+        n_proc,
     )
 
     stream = data.iterate(progress.position)
@@ -338,13 +307,15 @@ def _heal(
         unit="step",
         disable=opts.quiet or not accelerator.is_local_main_process,
     )
-    session_start, session_tokens = time.perf_counter(), 0
+    session_start, session_tokens, session_seconds = time.perf_counter(), 0, 0.0
     while progress.step < total_steps:
         step_start = time.perf_counter()
         loss_sum = torch.zeros(2)
         for micro in range(opts.grad_accum):
-            seqs = [next(stream) for _ in range(opts.batch_size * n_proc)]
+            seqs = [next(stream) for _ in range(opts.batch_size * n_proc)]  # one global micro-batch
             ids = torch.stack(seqs[rank * opts.batch_size : (rank + 1) * opts.batch_size]).to(device)
+            if on_batch is not None:
+                on_batch(progress.step + 1, ids)
             with torch.no_grad():
                 ht = base_t(input_ids=ids, use_cache=False).last_hidden_state
             sync = micro == opts.grad_accum - 1
@@ -357,13 +328,17 @@ def _heal(
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        if n_proc > 1:  # the loss of the global batch: the mean of equal shares
+            loss_sum = accelerator.reduce(loss_sum.to(device), "mean").cpu()
+        elapsed = time.perf_counter() - step_start
         progress.step += 1
         progress.position += seqs_per_step
         progress.tokens += tokens_per_step
-        progress.seconds += time.perf_counter() - step_start
+        progress.seconds += elapsed
         progress.history.append([progress.step, round(float(loss_sum[0]), 6)])
-        session_tokens += tokens_per_step
-        rate = session_tokens / max(time.perf_counter() - session_start, 1e-9)
+        session_tokens += tokens_per_step // n_proc
+        session_seconds += elapsed
+        rate = session_tokens * n_proc / max(time.perf_counter() - session_start, 1e-9)
         bar.update(1)
         bar.set_postfix(
             kl=f"{float(loss_sum[0]):.4f}",
@@ -385,8 +360,9 @@ def _heal(
             on_step(progress.step)
     bar.close()
 
-    after = _heldout(student, teacher, data.validation, opts.batch_size, device, opts.chunk_tokens)
+    after = heldout()
     logger.info("after healing: held-out KL %.4f, student NLL %.4f", after["kl"], after["student_nll"])
+    per_process = _throughput(accelerator, session_tokens, session_seconds)
     state = accelerator.get_state_dict(student)
     report = {
         "settings": {k: getattr(opts, k) for k in _RUN_KEYS}
@@ -397,15 +373,18 @@ def _heal(
         "tokens": progress.tokens,
         "tokens_per_step": tokens_per_step,
         "processes": n_proc,
+        "distributed": str(accelerator.distributed_type).rsplit(".", 1)[-1],
         "device": str(device),
         "train_seconds": round(progress.seconds, 2),
         "wall_seconds": round(time.time() - start_wall, 2),
+        "tokens_per_second": round(sum(r["tokens"] for r in per_process) / max(session_seconds, 1e-9), 1),
+        "per_process": per_process,  # this session's (a resumed run counts from its resume)
         "resumed": resume_from is not None,
         "heldout_before": progress.before,
         "heldout_after": after,
         "loss_history": progress.history,
     }
-    if accelerator.is_main_process:
+    if main:
         state = {k.removeprefix("model."): v for k, v in state.items()}
         write_healed(out, claim, state, layout, report)
         remove_work_dir(work_dir)
