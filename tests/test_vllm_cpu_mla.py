@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mlakit.serving.vllm_cpu_decode import GATHER_BYTES, request_chunks, paged_latent_decode
 from mlakit.serving.vllm_cpu_mla import v_up_proj_contiguous, workaround_applies
 from tests.tiny_models import assert_close
 
@@ -47,3 +48,50 @@ def test_v_up_proj_contiguous_matches_vllm_bmm_into_transposed_view(batch):
     err = assert_close("v_up_proj", got, want, atol=1e-5, rtol=1e-5)
     print(f"batch {batch}: max abs error {err:.1e} (bound 1e-5 + 1e-5 |want|)")
     assert_close("v_up_proj vs einsum", got, torch.einsum("bnl,nlv->bnv", x, W_UV).reshape(batch, -1), 1e-4)
+
+
+def _paged(seq_lens, block_size, width, dtype, seed=0):
+    """A shuffled page pool holding each request's WIDTH-wide cache rows, and its block table."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // block_size) for n in seq_lens]
+    order = torch.randperm(sum(pages) + 3, generator=gen)  # 3 pages nobody owns
+    cache = torch.randn(len(order), block_size, width, generator=gen).to(dtype)
+    table = torch.full((len(seq_lens), max(pages) + 1), -1, dtype=torch.int32)  # unused tail: -1
+    taken = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[taken : taken + n].to(torch.int32)
+        taken += n
+    return cache, table
+
+
+def _plain_decode(q, cache, table, seq_lens, scale, rank):
+    """Per request: its cache rows in order, softmax(scale q . rows) @ rows[:, :rank] (float64)."""
+    out = []
+    block = cache.shape[1]
+    for b, n in enumerate(seq_lens):
+        rows = torch.cat([cache[int(p)] for p in table[b, : -(-n // block)]])[:n].double()
+        weights = torch.softmax(scale * q[b].double() @ rows.T, dim=-1)
+        out.append(weights @ rows[:, :rank])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("gather_bytes", [GATHER_BYTES, 1])  # 1: every request its own chunk
+def test_paged_latent_decode_matches_plain_attention_per_request(dtype, tol, gather_bytes):
+    torch.manual_seed(0)
+    seq_lens, block, rank, rope, heads = [1, 16, 17, 40, 5], 16, 24, 8, 3
+    cache, table = _paged(seq_lens, block, rank + rope, dtype)
+    q = torch.randn(len(seq_lens), heads, rank + rope).to(dtype)
+    got = paged_latent_decode(q, cache, table, torch.tensor(seq_lens), 0.3, rank, gather_bytes=gather_bytes)
+    assert got.shape == (len(seq_lens), heads, rank) and got.dtype == dtype
+    want = _plain_decode(q, cache, table, seq_lens, 0.3, rank)
+    err = assert_close("paged decode", got.double(), want, atol=tol, rtol=tol)
+    print(f"{dtype}, gather {gather_bytes} B: max abs error {err:.1e}")
+
+
+def test_paged_latent_decode_chunks_bound_the_gather():
+    lens_in_pages = [1, 4, 4, 2, 9, 1]
+    chunks = list(request_chunks(lens_in_pages, 10, 80))  # at most 8 padded pages per chunk
+    assert [c for c in chunks] == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    for start, stop in chunks:
+        assert stop - start == 1 or max(lens_in_pages[start:stop]) * (stop - start) * 10 <= 80

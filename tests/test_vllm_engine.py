@@ -256,7 +256,41 @@ def test_engine_serves_per_layer_ranks_zero_padded_exactly(served):
 def test_engine_ran_with_the_vllm_032_cpu_absorbed_product_workaround(served):
     """The exactness tests above cover the workaround only if the engine applied it (vLLM 0.32.x, CPU)."""
     log = (served["llama"][3].parent / "engine.log").read_text()
-    assert "CPU MLA absorbed products run as batched GEMMs" in log, log[-3000:]
+    assert "CPU MLA absorbed products and paged decode run as batched GEMMs" in log, log[-3000:]
+
+
+_KERNEL_CHECK = """
+import json, sys, torch
+from vllm import _custom_ops as ops
+from mlakit.serving.vllm_cpu_decode import paged_latent_decode
+torch.manual_seed(0)
+rank, width, block, heads = 512, 576, 16, 8
+lens = [1, 16, 17, 90, 33]
+pages = [-(-n // block) for n in lens]
+cache = torch.randn(sum(pages) + 4, block, width)
+order = torch.randperm(cache.shape[0])
+table = torch.zeros(len(lens), max(pages), dtype=torch.int32)
+taken = 0
+for b, n in enumerate(pages):
+    table[b, :n] = order[taken:taken + n].to(torch.int32)
+    taken += n
+q = torch.randn(len(lens), heads, width)
+want = torch.zeros(len(lens), heads, rank)
+ops.mla_decode_kvcache_cpu(want, q, cache, 0.05, table, torch.tensor(lens, dtype=torch.int32))
+got = paged_latent_decode(q, cache, table, torch.tensor(lens), 0.05, rank)
+print(json.dumps({"max_abs": float((got - want).abs().max()), "scale": float(want.abs().max())}))
+"""
+
+
+def test_paged_decode_equals_vllm_032_cpu_decode_kernel(tmp_path):
+    """``vllm_cpu_decode.paged_latent_decode`` against the kernel it replaces, on the same pages (fp32)."""
+    python = _vllm_python()
+    run = subprocess.run([python, "-c", _KERNEL_CHECK], env=engine_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"paged decode vs vLLM's mla_decode_kvcache_cpu: max abs {result['max_abs']:.1e} of {result['scale']:.2f}")
+    assert result["max_abs"] <= 1e-5 * max(1.0, result["scale"]), result
 
 
 def test_engine_reads_the_stock_export_like_the_native_model(served):

@@ -38,6 +38,7 @@ from vllm.model_executor.models.llama import LlamaMLP
 
 from .served_config import MLAServedConfig
 from .served_shape import ServingError, check_window, pad_kv_a_proj, pad_kv_b_proj, pad_q_proj
+from .vllm_cpu_decode import batched_paged_decode
 from .vllm_cpu_mla import batch_absorbed_products
 from .vllm_version import check_vllm_version
 
@@ -128,9 +129,13 @@ class MLAKitAttention(nn.Module):
             quant_config=quant,
             prefix=f"{prefix}.attn",
         )
-        # vLLM 0.32's CPU decode computes the absorbed W_UK / W_UV products head by head (see vllm_cpu_mla).
-        if batch_absorbed_products(self.attn) and layer_idx == 0:
-            logger.info("mlakit: vLLM %s CPU MLA absorbed products run as batched GEMMs", vllm.__version__)
+        # vLLM 0.32's CPU decode computes the absorbed W_UK / W_UV products head by head (see
+        # vllm_cpu_mla) and its attention over the paged latent with a reference kernel (vllm_cpu_decode).
+        if batch_absorbed_products(self.attn):
+            batched_paged_decode(self.attn)
+            if layer_idx == 0:
+                logger.info("mlakit: vLLM %s CPU MLA absorbed products and paged decode run as batched GEMMs",
+                            vllm.__version__)
         # Columns of the half table for the served rotary pairs: kept pairs first, padding (index 0,
         # zero weights) after. A plain tensor attribute, not a buffer: the weight loader sees no extra tensor.
         self.freq_index = torch.tensor(config.rope_freq_index[layer_idx], dtype=torch.long)
