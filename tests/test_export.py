@@ -455,12 +455,18 @@ def test_smollm2_export_matches_native(tmp_path):
     )
     got = torch.load(tmp_path / "out.pt")
     err = assert_close("smollm2 stock fp32 vs native", got["float32"], exp["logits"], atol=FP32_BOUND)
-    noise = float((exp["bf16"] - exp["logits"]).abs().max())
-    err_bf16 = float((got["bfloat16"] - exp["logits"]).abs().max())
+    # bf16 rounding differs between the two implementations (operation order, where rope and the
+    # softmax upcast), so the stock bf16 export is held to the size of the native model's own bf16
+    # error against its fp32 logits: on average (mean |dlogit|), and in the worst logit, whose size
+    # is one rounding path's luck, with a wider margin.
+    noise = (exp["bf16"] - exp["logits"]).abs()
+    err_bf16 = (got["bfloat16"] - exp["logits"]).abs()
     print(
-        f"smollm2: max |dlogit| fp32 = {err:.3e}; bf16 export = {err_bf16:.3e}, native bf16 noise = {noise:.3e}"
+        f"smollm2: max |dlogit| fp32 = {err:.3e}; bf16 export max / mean = {float(err_bf16.max()):.3e} / "
+        f"{float(err_bf16.mean()):.3e}, native bf16 noise max / mean = {float(noise.max()):.3e} / {float(noise.mean()):.3e}"
     )
     assert torch.equal(got["greedy"], exp["greedy"])
-    assert err_bf16 <= 2 * noise, (err_bf16, noise)
+    assert err_bf16.mean() <= 1.5 * noise.mean(), (float(err_bf16.mean()), float(noise.mean()))
+    assert err_bf16.max() <= 4 * noise.max(), (float(err_bf16.max()), float(noise.max()))
     cfg = json.loads((tmp_path / "float32" / "config.json").read_text())
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 120
