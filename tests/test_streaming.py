@@ -345,7 +345,7 @@ def test_cli_resume_continues_an_interrupted_run(deep_source, tmp_path, monkeypa
         (["--max-memory", "1KB"], "--max-memory 0.00 GiB is below the estimated"),
         (["--max-memory", "lots"], "is not a memory size; write e.g. 4GB"),
         (["--max-memory", "0"], "must be a positive size"),
-        (["--device", "tpu"], "--device 'tpu' is not one of cpu, cuda, cuda:N, auto"),
+        (["--device", "tpu"], "--device (device) must be one of cpu, cuda, cuda:N, auto; got 'tpu'"),
         (["--pipeline", "fast"], "'fast' is not one of 'auto', 'streaming', 'in-memory'"),
         (["--pipeline", "in-memory", "--resume"], "--resume needs the streaming pipeline"),
         (["--pipeline", "in-memory", "--max-memory", "8GB"], "--max-memory needs the streaming pipeline"),
