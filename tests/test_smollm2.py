@@ -94,13 +94,8 @@ def test_eval_full_rank_ratio_is_one(smollm2_full, tmp_path):
     assert report["kv_reduction"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_eval_of_compressed_conversion_writes_complete_report(tmp_path):
-    from mlakit.convert.pipeline import ConvertOptions, convert
-
-    out = tmp_path / "mla"
-    convert("default", out, ConvertOptions(kv_budget=0.3125, calib_samples=16, calib_seq_len=128, dtype="float32",
-                                           quiet=True, verify=False))
-    report = _eval(out, tmp_path / "report")
+def test_eval_of_compressed_conversion_writes_complete_report(smollm2_both_pipelines, tmp_path):
+    report = _eval(smollm2_both_pipelines["mem"], tmp_path / "report")
     for key in ("ppl_ratio", "kv_reduction", "conversion"):
         assert key in report
     assert report["original"]["kv_bytes_per_token"] == 46080  # 30 layers x 384 values x 4 bytes
@@ -128,27 +123,37 @@ def test_shared_gguf_parse_gives_the_plain_transformers_weights_and_tokenizer(sm
     assert smollm2_source[1](text).input_ids == plain_tokenizer(text).input_ids
 
 
-def test_gguf_in_memory_and_safetensors_streaming_write_identical_bytes(tmp_path):
-    """SmolLM2 through the one driver both ways: the GGUF held in memory, and a dequantized
-    safetensors copy of it read layer by layer, at the default (fisher) allocation: same ranks,
-    same weights, bit for bit."""
+@pytest.fixture(scope="module")
+def smollm2_both_pipelines(tmp_path_factory):
+    """SmolLM2 at 68.75% less KV through the one driver both ways, at the default (fisher)
+    allocation: the GGUF held in memory, and a dequantized safetensors copy of it read layer by
+    layer. The calibration is the smallest that still gives every layer its own sensitivity: the
+    bytes, not the quality, are under test here."""
     from safetensors.torch import save_file
 
     from mlakit.convert.pipeline import ConvertOptions, convert, convert_streaming
     from mlakit.convert.source import open_source
 
+    root = tmp_path_factory.mktemp("smollm2-pipelines")
     source = open_source("default")
-    copy = tmp_path / "smollm2-safetensors"
+    copy = root / "smollm2-safetensors"
     copy.mkdir()
     save_file({n: source.tensor(n).contiguous() for n in source.tensor_names()}, str(copy / "model.safetensors"),
               metadata={"format": "pt"})
     source.config.save_pretrained(str(copy))
-    opts = ConvertOptions(kv_budget=0.3125, calib="random", calib_samples=12, calib_seq_len=64, dtype="float32",
-                          quiet=True)
-    mem = convert("default", tmp_path / "mem", opts)
-    got = convert_streaming(str(copy), tmp_path / "stream", opts)
+    source.tokenizer().save_pretrained(str(copy))
+    source.release()
+    opts = ConvertOptions(kv_budget=0.3125, calib_samples=4, calib_seq_len=64, dtype="float32", quiet=True)
+    reports = {"mem": convert("default", root / "mem", opts), "stream": convert_streaming(str(copy), root / "stream", opts)}
+    return {"root": root, "mem": root / "mem", "stream": root / "stream", "reports": reports}
+
+
+def test_gguf_in_memory_and_safetensors_streaming_write_identical_bytes(smollm2_both_pipelines):
+    """Same ranks, same weights, bit for bit."""
+    mem, got = smollm2_both_pipelines["reports"]["mem"], smollm2_both_pipelines["reports"]["stream"]
     assert mem["plan"]["allocation"] == got["plan"]["allocation"] == "fisher"
     assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"] and got["verify"] == mem["verify"]
     assert len(set(mem["plan"]["ranks"])) > 1  # the sensitivities moved ranks between layers
     for name in ("model.safetensors", "config.json"):
-        assert (tmp_path / "stream" / name).read_bytes() == (tmp_path / "mem" / name).read_bytes(), name
+        stream_bytes = (smollm2_both_pipelines["stream"] / name).read_bytes()
+        assert stream_bytes == (smollm2_both_pipelines["mem"] / name).read_bytes(), name
