@@ -113,12 +113,19 @@ class MLALayers:
 
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """LAYER applied to HIDDEN (B, L, D) float32 on the layer's device."""
+        return self.forward(layer, hidden)
+
+    def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``run`` in the caller's grad mode (layer-wise refinement backpropagates through it)."""
         from ..mla_model.modeling_mla import _AttentionMask
 
         B, L, _ = hidden.shape
         position_ids = torch.arange(L, device=self.device)[None].expand(B, L)
-        mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
-        return layer(hidden, self.rotary(hidden, position_ids), mask, None)
+        with torch.no_grad():  # the rotary table and the mask carry no gradient
+            position_embeddings = self.rotary(hidden, position_ids)
+            mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
+        return layer(hidden, position_embeddings, mask, None)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, tensors: dict[str, torch.Tensor], head: str) -> torch.Tensor:
