@@ -42,7 +42,7 @@ def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, lo
     out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"])
     out |= {n: t for n, t in tensors.items() if n.startswith(LAYER_PREFIX.format(i=i)) and ".self_attn." not in n}
     runner = MLALayers(config)
-    return runner.layer(i, out), runner.forward, hidden, targets
+    return runner.layer(i, out), runner.forward, hidden, targets, out
 
 
 def _state(block):
@@ -50,7 +50,7 @@ def _state(block):
 
 
 def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):
-    block, run, x, y = _layer_case(tiny_sources["qwen2"], "qwen2", None, None)
+    block, run, x, y, _ = _layer_case(tiny_sources["qwen2"], "qwen2", None, None)
     before = _state(block)
     report = refine_layer(block, run, x, y, RefineSettings())
     assert report["loss_before"] < 1e-10, report  # the lossless conversion reproduces the source
@@ -62,7 +62,7 @@ def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2"])
 @pytest.mark.parametrize("loss", ["attention", "block"])
 def test_refinement_reduces_the_loss_of_a_compressed_layer(tiny_sources, family, loss):
-    block, run, x, y = _layer_case(tiny_sources[family], family, 8, 6, loss)
+    block, run, x, y, _ = _layer_case(tiny_sources[family], family, 8, 6, loss)
     settings = RefineSettings(loss=loss, refit_o_proj=loss == "attention", epochs=8, batch=4, lr=1e-2)
     report = refine_layer(block, run, x, y, settings)
     measured = layer_loss(block, run, x, y, loss)
@@ -75,7 +75,7 @@ def test_refinement_reduces_the_loss_of_a_compressed_layer(tiny_sources, family,
 def test_refinement_never_returns_a_higher_loss_than_its_start(tiny_sources):
     """A step size far too large (Adam moves every weight by 90% of its RMS per step) diverges; the
     start (or the refit) is kept, and the weights are those of the kept result."""
-    block, run, x, y = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     start = _state(block)
     report = refine_layer(block, run, x, y, RefineSettings(lr=0.9, refit_o_proj=False, epochs=4))
     assert report["loss_after_adam"] > report["loss_before"], report  # the bad run really was worse
@@ -86,7 +86,7 @@ def test_refinement_never_returns_a_higher_loss_than_its_start(tiny_sources):
 
 
 def test_refinement_leaves_the_block_frozen_outside_the_attention(tiny_sources):
-    block, run, x, y = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     start, flags = _state(block), [p.requires_grad for p in block.parameters()]
     refine_layer(block, run, x, y, RefineSettings(epochs=2))
     changed = {k for k, v in block.state_dict().items() if not torch.equal(v, start[k])}
@@ -109,6 +109,17 @@ def test_settings_are_checked_with_a_clear_error(bad, match):
 
 
 def test_inputs_and_targets_must_have_one_shape(tiny_sources):
-    block, run, x, y = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     with pytest.raises(ValueError, match="inputs and targets of one shape"):
         refine_layer(block, run, x, y[:, :-1], RefineSettings())
+
+
+def test_refinement_never_writes_the_tensors_the_layer_was_built_from(tiny_sources):
+    """The layer shares storage with the tensors it was attached from (a float32 source's o_proj
+    among them); refinement must change the layer only."""
+    block, run, x, y, built_from = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    snapshot = {k: v.clone() for k, v in built_from.items()}
+    report = refine_layer(block, run, x, y, RefineSettings(epochs=2))
+    assert report["kept"] != "start"
+    for k, v in built_from.items():
+        assert torch.equal(v, snapshot[k]), k

@@ -38,7 +38,14 @@ from mlakit.convert.compress import compress_layer
 from mlakit.convert.families import LAYER_PREFIX, attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.layer_runner import MLALayers, SourceLayers
-from mlakit.convert.pipeline import ConvertOptions, assemble_state, build_layers, calibrate, calibration_ids, method_of
+from mlakit.convert.pipeline import (
+    ConvertOptions,
+    assemble_state,
+    build_layers,
+    calibrate,
+    calibration_ids,
+    method_of,
+)
 from mlakit.convert.refine import RefineSettings, attention_residual, refine_layer
 from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text
@@ -129,6 +136,7 @@ def main():
     t_source_path = 0.0
     need = max([st.sequences for _, st in rows.values() if st is not None] + [0])
     for i in range(n_layers):
+        layer_tick = time.time()
         prefix = LAYER_PREFIX.format(i=i)
         tensors = {k: source.tensor(k) for k in source.tensor_names() if k.startswith(prefix)}
         layer = src.layer(i, tensors)
@@ -139,12 +147,11 @@ def main():
                 if need else None
             out_src = torch.cat([src.run(layer, h_src[a:b]) for a, b in chunks(n_calib)])
         t_source_path += time.time() - tick
-        src_stats = None
         for name in layer_rows:
             sequential, settings = rows[name]
             sec = seconds[name]
             tick = time.time()
-            if sequential or src_stats is None:
+            if sequential:
                 acc = layer_accumulator(layer.self_attn, src.inv_freq, shape)
                 handles = acc.attach()
                 try:
@@ -156,14 +163,12 @@ def main():
                     for h in handles:
                         h.remove()
                 stats = acc.result()
-                if not sequential:
-                    src_stats = stats  # the first pass's statistics (a real conversion has them already)
-            else:
-                stats = src_stats
-            sec["stats"] += time.time() - tick if sequential else 0.0
+                sec["stats"] += time.time() - tick
             tick = time.time()
-            mla = compress_layer(w, layer_metrics(w, stats), method, rope_dim, ranks[i])
-            sec["compress"] += time.time() - tick
+            # source statistics: the default conversion's own layer (the same closed form)
+            mla = compress_layer(w, layer_metrics(w, stats), method, rope_dim, ranks[i]) if sequential \
+                else default_layers[i]
+            sec["compress"] += time.time() - tick if sequential else 0.0
             config = mla_config(source.config, shape, [SimpleNamespace(kv_lora_rank=r, rope_dim=rope_dim,
                                 freq_index=list(mla.freq_index)) for r in ranks], torch.float32)
             runner = MLALayers(config)
@@ -185,7 +190,7 @@ def main():
             infos[name].append(SimpleNamespace(kv_lora_rank=ranks[i], rope_dim=rope_dim, freq_index=list(mla.freq_index)))
         h_src = out_src
         last = {n: reports[n][-1] for n in layer_rows if reports[n]}
-        print(f"layer {i}: " + "; ".join(f"{n[:40]} {r['loss_before']:.4f}->{r['loss_after']:.4f} ({r['kept']})"
+        print(f"layer {i} ({time.time() - layer_tick:.0f} s): " + "; ".join(f"{n[:40]} {r['loss_before']:.4f}->{r['loss_after']:.4f} ({r['kept']})"
                                          for n, r in last.items()), flush=True)
 
     # perplexity on two texts

@@ -183,6 +183,16 @@ def _adam(block, run, inputs, targets, settings: RefineSettings, steps: int, see
             opt.step()
 
 
+def _own_attention_weights(block) -> None:
+    """Give the attention private copies of its weights. ``load_state_dict(assign=True)`` (how
+    ``MLALayers.layer`` attaches them) keeps the caller's tensors, and a float32 source's o_proj
+    reaches the converted layer uncopied: writing in place would change the source itself."""
+    for m in ATTENTION_PARAMS:
+        module = getattr(block.self_attn, m)
+        for kind, p in list(module.named_parameters(recurse=False)):
+            setattr(module, kind, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
 def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets: torch.Tensor,
                  settings: RefineSettings, seed: int = 0, progress=None) -> dict:
     """Refine BLOCK's attention in place so that f(inputs) comes closer to TARGETS (module docstring).
@@ -201,6 +211,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
     n = min(settings.sequences, inputs.shape[0])
     inputs, targets = inputs[:n].detach(), targets[:n].detach()
     report = {"settings": asdict(settings) | {"params": list(settings.params)}, "sequences": n}
+    _own_attention_weights(block)
     frozen = [(p, p.requires_grad) for p in block.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
@@ -222,7 +233,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
                 attn.load_state_dict(best[2])
         steps = settings.steps(n)
         if steps:
-            for name, p in _parameters(block, settings.params):
+            for _, p in _parameters(block, settings.params):
                 p.requires_grad_(True)
             _adam(block, run, inputs, targets, settings, steps, seed, progress)
             for p, _ in frozen:
