@@ -66,7 +66,7 @@ def test_refinement_reduces_the_loss_of_a_compressed_layer(tiny_sources, family,
     settings = RefineSettings(loss=loss, refit_o_proj=loss == "attention", epochs=8, batch=4, lr=1e-2)
     report = refine_layer(block, run, x, y, settings)
     measured = layer_loss(block, run, x, y, loss)
-    assert abs(measured - report["loss_after"]) <= 1e-6 * report["loss_before"], report
+    assert abs(measured - report["loss_after"]) <= 1e-5 * report["loss_before"], (measured, report)
     # a bound with room: on these layers refinement removes about a quarter of the closed form's error or more
     assert report["loss_after"] < 0.85 * report["loss_before"], report
     assert report["steps"] == 24 and report["kept"] != "start"
@@ -99,6 +99,7 @@ def test_refinement_leaves_the_block_frozen_outside_the_attention(tiny_sources):
     (dict(loss="block"), "refit needs the attention loss"),
     (dict(batch=0), "batch must be an integer >= 1"),
     (dict(sequences=2.5), "sequences must be an integer"),
+    (dict(sequences=0), "sequences must be an integer >= 1"),
     (dict(lr=0.0), r"lr .* must be in \(0, 1\)"),
     (dict(epochs=-1), r"epochs must be a number in \[0, 1000\]"),
     (dict(params=("k_proj",)), "each must be one of q_proj, kv_a_proj_with_mqa"),

@@ -56,10 +56,10 @@ from mlakit.mla_model import MLAForCausalLM
 ROWS = {
     "closed form only (default conversion)": (False, None),
     "+ sequential calibration": (True, None),
-    "+ seq. calib. + o_proj refit (attention target)": (True, RefineSettings(epochs=0)),
-    "+ seq. calib. + refit + Adam (attention target)": (True, RefineSettings()),
-    "+ seq. calib. + Adam (block target)": (True, RefineSettings(loss="block", refit_o_proj=False)),
-    "source stats + refit + Adam (attention target)": (False, RefineSettings()),
+    "+ sequential calibration + o_proj refit (attention target)": (True, RefineSettings(epochs=0)),
+    "source statistics + o_proj refit (attention target)": (False, RefineSettings(epochs=0)),
+    "+ sequential calibration + refit + Adam (attention target)": (True, RefineSettings()),
+    "+ sequential calibration + Adam (block target)": (True, RefineSettings(loss="block", refit_o_proj=False)),
 }
 
 

@@ -53,7 +53,7 @@ class RefineSettings:
     """How one layer is refined. Steps follow from the data: ``ceil(epochs * sequences / batch)``."""
 
     loss: str = "attention"  # REFINE_LOSSES
-    sequences: int = 32  # calibration sequences refined on (the first ones), and the loss measured on
+    sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
     epochs: float = 4.0  # Adam passes over those sequences (0: the o_proj refit only)
     batch: int = 4  # sequences per Adam step
     lr: float = 1e-3  # Adam step size per step, relative to each tensor's RMS
@@ -67,7 +67,7 @@ class RefineSettings:
             raise ValueError("the closed-form o_proj refit needs the attention loss (the block loss is not "
                              "quadratic in o_proj); set refit_o_proj=False or loss='attention'")
         for name, value in (("sequences", self.sequences), ("batch", self.batch)):
-            if not isinstance(value, int) or value < 1:
+            if (value is not None or name == "batch") and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"refine {name} must be an integer >= 1; got {value!r}")
         if not (isinstance(self.epochs, (int, float)) and 0 <= self.epochs <= 1000):
             raise ValueError(f"refine epochs must be a number in [0, 1000]; got {self.epochs!r}")
@@ -80,7 +80,11 @@ class RefineSettings:
 
     def steps(self, n_sequences: int) -> int:
         """Adam steps for N_SEQUENCES available inputs."""
-        return math.ceil(self.epochs * min(self.sequences, n_sequences) / self.batch)
+        return math.ceil(self.epochs * self.used(n_sequences) / self.batch)
+
+    def used(self, n_sequences: int) -> int:
+        """How many of N_SEQUENCES available inputs are refined on."""
+        return n_sequences if self.sequences is None else min(self.sequences, n_sequences)
 
 
 class _Stop(Exception):
@@ -129,13 +133,17 @@ def _parameters(block, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]
 
 
 @torch.no_grad()
-def _refit_o_proj(block, run, inputs, targets) -> None:
-    """o_proj := argmin sum ||x + W z + b - y||^2 (b only if o_proj has a bias), z the attention's
-    output before o_proj on the converted path: normal equations in float64, a tiny ridge."""
+def _o_proj_moments(block, run, inputs, targets):
+    """One pass of the attention over INPUTS: Z^T Z, Z^T R and sum ||R||^2 (float64), with z the
+    attention's output before o_proj ([z; 1] when o_proj has a bias) and r = y - x the update the
+    attention should add. The attention loss is quadratic in W = [W_o | b]:
+    sum ||W z - r||^2 = sum ||r||^2 - 2 <W, (Z^T R)^T> + <W Z^T Z, W>, so these moments give the
+    loss of any o_proj exactly, with no further pass."""
     o = block.self_attn.o_proj
     seen = {}
     handle = o.register_forward_pre_hook(lambda module, args: seen.__setitem__("z", args[0]))
     zz = zr = None
+    rr = 0.0
     try:
         for s in range(0, inputs.shape[0], _EVAL_BATCH):
             x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
@@ -146,13 +154,34 @@ def _refit_o_proj(block, run, inputs, targets) -> None:
             r = (y - x).reshape(-1, o.out_features).double()
             zz = z.T @ z if zz is None else zz + z.T @ z
             zr = z.T @ r if zr is None else zr + z.T @ r
+            rr += float(r.square().sum())
     finally:
         handle.remove()
+    return zz, zr, rr
+
+
+def _o_proj_matrix(o) -> torch.Tensor:
+    w = o.weight.detach().double()
+    return torch.cat([w, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w
+
+
+def _quadratic_loss(w: torch.Tensor, zz: torch.Tensor, zr: torch.Tensor, rr: float) -> float:
+    """The attention loss of o_proj = W (``_o_proj_moments``), relative to sum ||r||^2."""
+    err = rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum())
+    return max(err, 0.0) / rr if rr > 0 else max(err, 0.0)
+
+
+@torch.no_grad()
+def _refit_o_proj(o, zz: torch.Tensor, zr: torch.Tensor) -> torch.Tensor:
+    """o_proj := argmin sum ||x + W z + b - y||^2 (b only if o_proj has a bias): the normal
+    equations in float64 with a tiny ridge. Returns the float32 solution as float64 (the W the
+    layer now holds, for ``_quadratic_loss``)."""
     ridge = _RIDGE * float(zz.diagonal().mean()) + 1e-30
     solution = torch.linalg.solve(zz + ridge * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), zr).T
     o.weight.copy_(solution[:, : o.in_features].to(o.weight.dtype))
     if o.bias is not None:
         o.bias.copy_(solution[:, -1].to(o.bias.dtype))
+    return _o_proj_matrix(o)
 
 
 def _adam(block, run, inputs, targets, settings: RefineSettings, steps: int, seed: int, progress) -> None:
@@ -208,7 +237,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
         raise ValueError(f"refine_layer needs inputs and targets of one shape (N, T, D); got "
                          f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
     start = time.time()
-    n = min(settings.sequences, inputs.shape[0])
+    n = settings.used(inputs.shape[0])
     inputs, targets = inputs[:n].detach(), targets[:n].detach()
     report = {"settings": asdict(settings) | {"params": list(settings.params)}, "sequences": n}
     _own_attention_weights(block)
@@ -216,17 +245,21 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
     for p, _ in frozen:
         p.requires_grad_(False)
     try:
-        before = layer_loss(block, run, inputs, targets, settings.loss)
+        attn = block.self_attn
+        if settings.refit_o_proj:  # one pass gives the loss before and after the refit (exactly)
+            moments = _o_proj_moments(block, run, inputs, targets)
+            before = _quadratic_loss(_o_proj_matrix(attn.o_proj), *moments)
+        else:
+            before = layer_loss(block, run, inputs, targets, settings.loss)
         report["loss_before"] = before
         if before <= EXACT_LOSS:
             return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
                              "seconds": round(time.time() - start, 3)}
-        attn = block.self_attn
         best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})
         if settings.refit_o_proj:
-            _refit_o_proj(block, run, inputs, targets)
-            refit = layer_loss(block, run, inputs, targets, settings.loss)
+            refit = _quadratic_loss(_refit_o_proj(attn.o_proj, moments[0], moments[1]), *moments)
             report["loss_after_refit"] = refit
+            del moments
             if refit < best[0]:
                 best = (refit, "o_proj refit", {k: v.detach().clone() for k, v in attn.state_dict().items()})
             else:
