@@ -114,7 +114,7 @@ def main() -> None:
                 "calibration_matmul_gflop": round(work, 1),
                 "calibration_floor_s": round(work / gflops, 1),
                 "forward_floor_s": None if args.no_forward_floor else round(forward_floor_s(args.src, args.recipe), 1),
-                "phase_seconds": report.get("phase_seconds"),
+                "phase_seconds": report["pipeline"]["phase_seconds"],
                 "kv_values_per_token": report["kv_values_per_token"],
             })
             print(json.dumps(runs[-1]), flush=True)

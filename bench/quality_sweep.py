@@ -25,7 +25,8 @@ import torch
 from mlakit.convert.assemble import mla_config, read_attention
 from mlakit.convert.families import attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.pipeline import ConvertOptions, assemble_state, build_layers, calibrate
+from mlakit.convert.pipeline import ConvertOptions
+from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.convert.rank_plan import FISHER_STEP, budget_rope_dim
 from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text

@@ -91,24 +91,30 @@ def test_fisher_allocation_uses_sensitivities_and_the_cache_matches_the_plan(tin
     assert config["kv_lora_rank"] == [lay["kv_lora_rank"] for lay in report["layers"]]
 
 
-def test_streaming_runs_fisher_on_request_and_resolves_auto_to_uniform(tiny_sources, tmp_path):
+def test_auto_allocation_is_the_same_for_every_pipeline(tiny_sources, tmp_path):
+    """--allocation auto resolves to one allocation (settings.AUTO_ALLOCATION) in memory and when
+    streaming; fisher runs the statistics pass and the backward sweep, uniform one pass."""
+    from mlakit.convert.settings import AUTO_ALLOCATION
+
     src = str(tiny_sources["llama_gqa"])
     args = ["convert", src, "--kv-budget", "0.4", "--calib", "random", "--calib-samples", "4",
             "--calib-seq-len", "16", "-q"]
     reports = {}
     for name, extra in {"stream-fisher": ["--pipeline", "streaming", "--allocation", "fisher"],
-                        "memory-fisher": ["--pipeline", "in-memory", "--allocation", "fisher"],
+                        "stream-uniform": ["--pipeline", "streaming", "--allocation", "uniform"],
+                        "memory-auto": ["--pipeline", "in-memory"],
                         "stream-auto": ["--pipeline", "streaming"]}.items():
         res = CliRunner().invoke(cli, [*args[:2], str(tmp_path / name), *args[2:], *extra])
         assert res.exit_code == 0, res.output
         reports[name] = json.loads((tmp_path / name / "conversion.json").read_text())
     assert reports["stream-fisher"]["settings"]["allocation"] == "fisher"
-    assert reports["stream-fisher"]["plan"] == reports["memory-fisher"]["plan"]
-    assert reports["stream-auto"]["settings"]["allocation"] == "uniform"
-    assert len({lay["kv_lora_rank"] for lay in reports["stream-auto"]["layers"]}) == 1
-    phases = {name: set(reports[name]["pipeline"]["phase_seconds"]) for name in ("stream-fisher", "stream-auto")}
+    assert reports["stream-auto"]["settings"]["allocation"] == reports["memory-auto"]["settings"]["allocation"] \
+        == AUTO_ALLOCATION
+    assert reports["stream-auto"]["plan"] == reports["memory-auto"]["plan"] == reports[f"stream-{AUTO_ALLOCATION}"]["plan"]
+    assert len({lay["kv_lora_rank"] for lay in reports["stream-uniform"]["layers"]}) == 1
+    phases = {name: set(reports[name]["pipeline"]["phase_seconds"]) for name in ("stream-fisher", "stream-uniform")}
     assert phases["stream-fisher"] == {"open", "statistics", "sensitivity_sweep", "convert", "verify"}
-    assert phases["stream-auto"] == {"open", "convert", "verify"}  # one pass, no sweep
+    assert phases["stream-uniform"] == {"open", "convert", "verify"}  # one pass, no sweep
 
 
 def test_deepseek_v3_format_resolves_auto_to_one_rank_for_every_layer(tiny_sources, tmp_path):

@@ -63,11 +63,12 @@ def test_existing_output_needs_overwrite(tiny_sources, tmp_path):
 
 def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypatch):
     import mlakit.convert.pipeline as pipeline
+    import mlakit.convert.report as report
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "write_modeling_code", boom)
+    monkeypatch.setattr(report, "write_modeling_code", boom)
     with pytest.raises(KeyboardInterrupt):
         pipeline.convert(str(tiny_sources["llama_gqa"]), tmp_path / "out", pipeline.ConvertOptions(quiet=True))
     assert list(tmp_path.iterdir()) == []
@@ -131,7 +132,7 @@ def test_corrupt_safetensors(tiny_sources, tmp_path, damage):
 def test_missing_tensor_is_reported_before_calibrating(tiny_sources, tmp_path, monkeypatch, pipeline_name, tensor):
     from safetensors.torch import save_file
 
-    from mlakit.convert import pipeline, streaming
+    from mlakit.convert import run_state
 
     src = tmp_path / "src"
     shutil.copytree(tiny_sources["llama_gqa"], src)
@@ -142,8 +143,7 @@ def test_missing_tensor_is_reported_before_calibrating(tiny_sources, tmp_path, m
     def calibrate(*args, **kwargs):
         raise AssertionError("calibration ran before the missing tensor was reported")
 
-    monkeypatch.setattr(pipeline, "calibrate", calibrate)
-    monkeypatch.setattr(streaming, "calibration_ids", calibrate)
+    monkeypatch.setattr(run_state, "calibration_ids", calibrate)
     code, text = run(src, tmp_path / "out", "--kv-budget", "0.5", "--calib", "random", "--pipeline", pipeline_name)
     assert code == 1 and f"{tensor} is missing" in text and "re-download" in text
     assert not (tmp_path / "out").exists()

@@ -249,7 +249,7 @@ def test_convert_format_refuses_the_source_before_calibrating(
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibration ran before the export's checks")
 
-    monkeypatch.setattr("mlakit.convert.pipeline.calibrate", no_calibration)
+    monkeypatch.setattr("mlakit.convert.run_state.calibration_ids", no_calibration)
     opts = ConvertOptions(kv_budget=0.5, **CALIB)
     with pytest.raises(ExportError, match=match):
         convert_to_format("deepseek-v3", str(tiny_sources[family]), tmp_path / "x", opts)

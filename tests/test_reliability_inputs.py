@@ -17,10 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mlakit.convert import pipeline, source, streaming
-from mlakit.convert.pipeline import ConversionError, ConvertOptions, convert, logit_report
+from mlakit.convert import run as run_module
+from mlakit.convert import pipeline, source
+from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.convert.source import SourceError
-from mlakit.convert.streaming import StreamOptions, convert_streaming
+from mlakit.convert.verify import logit_report
 from mlakit.convert.work_dir import work_dir_for
 from mlakit.convert.writer import write_json
 from mlakit.data import DataSpecError
@@ -53,19 +54,15 @@ class _Stop(RuntimeError):
 # -- 4. resume only from the same source content ----------------------------------------------
 
 
-def test_resume_refuses_a_source_replaced_by_another_of_the_same_size(tiny_sources, tmp_path, monkeypatch):
+def test_resume_refuses_a_source_replaced_by_another_of_the_same_size(tiny_sources, tmp_path):
     src = _copy_source(tiny_sources, tmp_path)
-    real = streaming._Runner._commit
 
-    def stop_after_first_layer(self, writer):
-        real(self, writer)
-        if self.state["layers"]:
+    def stop_after_first_layer(phase, index):
+        if (phase, index) == ("convert", 1):
             raise _Stop
 
-    monkeypatch.setattr(streaming._Runner, "_commit", stop_after_first_layer)
     with pytest.raises(_Stop):
-        convert_streaming(str(src), tmp_path / "out", ConvertOptions(**FAST))
-    monkeypatch.undo()
+        convert_streaming(str(src), tmp_path / "out", ConvertOptions(**FAST), on_layer=stop_after_first_layer)
     size = (src / "model.safetensors").stat().st_size
     other = save_tiny_source("llama_gqa", tmp_path / "other")  # same architecture, same seed ...
     _edit_weights(other, lambda t: t["model.layers.1.mlp.up_proj.weight"].mul_(-1))  # ... one tensor differs
@@ -262,7 +259,7 @@ def test_gguf_streaming_and_unwritable_output_are_refused_first(tiny_sources, tm
     monkeypatch.setattr(source, "_open_gguf", lambda *a: pytest.fail("dequantized the GGUF first"))
     code, text = run("default", tmp_path / "out", "--pipeline", "streaming")
     assert code == 1 and "not a directory of *.safetensors" in text, text
-    monkeypatch.setattr(pipeline, "open_source", lambda *a: pytest.fail("work began"))
+    monkeypatch.setattr(run_module, "open_source", lambda *a: pytest.fail("work began"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
     code, text = run(tiny_sources["llama_gqa"], blocker / "out", "--pipeline", "in-memory")

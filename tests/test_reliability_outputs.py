@@ -19,7 +19,8 @@ import pytest
 from click.testing import CliRunner
 
 from mlakit.cli import cli
-from mlakit.convert import pipeline, streaming
+from mlakit.convert import report as report_module
+from mlakit.convert import run as run_module
 from mlakit.convert.output_dir import (
     PARTIAL_MARKER,
     OutputBusyError,
@@ -29,7 +30,7 @@ from mlakit.convert.output_dir import (
     lock_path,
 )
 from mlakit.convert.pipeline import ConvertOptions, convert
-from mlakit.convert.streaming import StreamOptions, convert_streaming
+from mlakit.convert.pipeline import StreamOptions, convert_streaming
 from mlakit.convert.work_dir import work_dir_for
 from tests.convert_helpers import FAST, fast_args, run
 
@@ -47,15 +48,14 @@ def test_directory_created_at_out_during_the_run_is_kept(
     tiny_sources, tmp_path, monkeypatch, driver, overwrite
 ):
     out = tmp_path / "out" / "x"
-    module = pipeline if driver == "in-memory" else streaming
-    real = module.write_modeling_code
+    real = report_module.write_modeling_code
 
     def someone_else_writes_out(directory):  # late in the run, after the up-front checks
         out.mkdir(parents=True)
         (out / "notes.txt").write_text("notes")
         real(directory)
 
-    monkeypatch.setattr(module, "write_modeling_code", someone_else_writes_out)
+    monkeypatch.setattr(report_module, "write_modeling_code", someone_else_writes_out)
     fn = convert if driver == "in-memory" else convert_streaming
     with pytest.raises(OutputExistsError, match="appeared while this run worked|no longer an mlakit output"):
         fn(str(tiny_sources["llama_gqa"]), out, ConvertOptions(**FAST, overwrite=overwrite))
@@ -93,8 +93,7 @@ def test_output_overlapping_the_source_is_refused(tiny_sources, tmp_path, where,
         out = tmp_path / "models"
     else:
         out = src if where == "same" else src / "converted"
-    monkeypatch.setattr(pipeline, "open_source", lambda *a: pytest.fail("work began"))
-    monkeypatch.setattr(streaming, "open_source", lambda *a: pytest.fail("work began"))
+    monkeypatch.setattr(run_module, "open_source", lambda *a: pytest.fail("work began"))
     for pipe in ("in-memory", "streaming"):
         code, text = run(src, out, "--overwrite", "--pipeline", pipe, *fast_args())
         assert code == 1 and "damage the source" in text and str(src) in text and str(out) in text, text
@@ -126,17 +125,13 @@ def test_overwrite_refuses_a_directory_that_is_not_an_mlakit_output(tiny_sources
 _HOLD = """
 import sys, time
 from pathlib import Path
-from mlakit.convert import streaming
-from mlakit.convert.pipeline import ConvertOptions
+from mlakit.convert.pipeline import ConvertOptions, convert_streaming
 ready = Path(sys.argv[3])
-real = streaming._Runner._commit
-def commit(self, writer):
-    real(self, writer)
-    if len(self.state["layers"]) == 1:
+def hold_after_the_first_layer(phase, index):
+    if (phase, index) == ("convert", 1):
         ready.write_text("1")
         time.sleep(600)
-streaming._Runner._commit = commit
-streaming.convert_streaming(sys.argv[1], sys.argv[2], ConvertOptions(**{opts!r}))
+convert_streaming(sys.argv[1], sys.argv[2], ConvertOptions(**{opts!r}), on_layer=hold_after_the_first_layer)
 """
 
 
@@ -191,10 +186,10 @@ def test_killed_in_memory_run_leftover_is_named_and_removed(tiny_sources, tmp_pa
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlakit.convert import pipeline
+        from mlakit.convert import pipeline, report
         def killed(directory):  # the weights are written: a model-sized partial directory
             os.kill(os.getpid(), signal.SIGKILL)
-        pipeline.write_modeling_code = killed
+        report.write_modeling_code = killed
         pipeline.convert({str(tiny_sources["llama_gqa"])!r}, {str(out)!r}, pipeline.ConvertOptions(**{FAST!r}))
     """)
     proc = subprocess.run(

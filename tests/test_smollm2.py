@@ -126,3 +126,29 @@ def test_shared_gguf_parse_gives_the_plain_transformers_weights_and_tokenizer(sm
     plain_tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     text = pydoc_data.topics.topics["assignment"][:2000]
     assert smollm2_source[1](text).input_ids == plain_tokenizer(text).input_ids
+
+
+def test_gguf_in_memory_and_safetensors_streaming_write_identical_bytes(tmp_path):
+    """SmolLM2 through the one driver both ways: the GGUF held in memory, and a dequantized
+    safetensors copy of it read layer by layer, at the default (fisher) allocation: same ranks,
+    same weights, bit for bit."""
+    from safetensors.torch import save_file
+
+    from mlakit.convert.pipeline import ConvertOptions, convert, convert_streaming
+    from mlakit.convert.source import open_source
+
+    source = open_source("default")
+    copy = tmp_path / "smollm2-safetensors"
+    copy.mkdir()
+    save_file({n: source.tensor(n).contiguous() for n in source.tensor_names()}, str(copy / "model.safetensors"),
+              metadata={"format": "pt"})
+    source.config.save_pretrained(str(copy))
+    opts = ConvertOptions(kv_budget=0.3125, calib="random", calib_samples=12, calib_seq_len=64, dtype="float32",
+                          quiet=True)
+    mem = convert("default", tmp_path / "mem", opts)
+    got = convert_streaming(str(copy), tmp_path / "stream", opts)
+    assert mem["plan"]["allocation"] == got["plan"]["allocation"] == "fisher"
+    assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"] and got["verify"] == mem["verify"]
+    assert len(set(mem["plan"]["ranks"])) > 1  # the sensitivities moved ranks between layers
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "stream" / name).read_bytes() == (tmp_path / "mem" / name).read_bytes(), name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -16,12 +17,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlakit import load_converted
 from mlakit.cli import cli
-from mlakit.convert import streaming
-from mlakit.convert.pipeline import ConversionError, ConvertOptions, convert
+from mlakit.convert import pipeline
+from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
+from mlakit.convert.run import choose_pipeline
 from mlakit.convert.shard_stream import ShardLayout, read_header
-from mlakit.convert.streaming import StreamOptions, choose_pipeline, convert_streaming
 from mlakit.convert.work_dir import work_dir_for
-from tests.tiny_models import assert_close
+from tests.tiny_models import FAMILY_BUILDERS, assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -87,32 +88,46 @@ def _assert_same_checkpoint(got: Path, want: Path) -> None:
     assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
 
 
-@pytest.mark.parametrize("family", ["llama_gqa", "qwen2", "mistral"])
+def _same_bytes(got: Path, want: Path) -> None:
+    """Every weight file and config of GOT is byte for byte the one in WANT."""
+    files = sorted(p.name for p in want.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    assert files and files == sorted(p.name for p in got.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    for name in files:
+        assert (got / name).read_bytes() == (want / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_BUILDERS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_streaming_matches_in_memory(tiny_sources, tmp_path, ids, family, setting):
-    """Same calibration, same math, same layer modules: the logits agree to 1e-6 (observed: bitwise
-    equal on CPU), and the layer-wise verification reproduces the reload-based one."""
+def test_in_memory_and_streaming_write_identical_bytes(tiny_sources, tmp_path, family, setting):
+    """One driver, two storage policies: the same ranks, the same weights (bit for bit), the same
+    layer-wise verification."""
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
-    err = assert_close(
-        f"{family} {setting} streaming vs in-memory",
-        _logits(tmp_path / "stream", ids),
-        _logits(tmp_path / "mem", ids),
-        atol=1e-6,
-    )
-    print(f"{family} {setting}: max |dlogit| {err:.2e} (bound 1e-6)")
-    assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"]
-    assert got["pipeline"]["name"] == "streaming"
-    assert_close(
-        "verify max diff",
-        torch.tensor(got["verify"]["max_abs_logit_diff"]),
-        torch.tensor(mem["verify"]["max_abs_logit_diff"]),
-        atol=1e-6,
-    )
+    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"] and got["verify"] == mem["verify"]
+    assert (got["pipeline"]["name"], mem["pipeline"]["name"]) == ("streaming", "in-memory")
     names = {p.name for p in (tmp_path / "stream").iterdir()}
     assert names == {p.name for p in (tmp_path / "mem").iterdir()}
-    assert not list(tmp_path.glob(".stream.partial-*"))
+    assert not list(tmp_path.glob(".stream.partial-*")) and not list(tmp_path.glob(".mem.partial-*"))
+
+
+def test_default_allocation_is_the_same_for_every_source(tiny_sources, tmp_path):
+    """--allocation auto resolves to one allocation whichever pipeline runs."""
+    opts = ConvertOptions(kv_budget=0.4, **CALIB)
+    mem = convert(str(tiny_sources["llama_gqa"]), tmp_path / "mem", opts)
+    got = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "stream", opts)
+    assert mem["plan"]["allocation"] == got["plan"]["allocation"] == pipeline.resolve_allocation(opts).allocation
+    assert mem["plan"]["allocation"] != "auto"
+    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+
+
+def _stop_at(phase: str, index: int, exc=None):
+    """An ``on_layer`` hook raising EXC (default ``_Interrupt``) before layer INDEX of PHASE."""
+    def hook(at_phase, at_index):
+        if (at_phase, at_index) == (phase, index):
+            raise (exc or _Interrupt)()
+    return hook
 
 
 def test_multi_shard_output_loads_and_equals_single_shard(deep_source, tmp_path, ids):
@@ -144,7 +159,7 @@ class _Interrupt(Exception):
     pass
 
 
-def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source, tmp_path, monkeypatch):
+def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source, tmp_path):
     """The layer-by-layer backward sweep measures the loss sensitivities the in-memory pipeline's
     single backward pass through the whole model measures (same sequences, same sampled labels)."""
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
@@ -153,15 +168,8 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     from mlakit.convert.source import open_source
 
     opts = ConvertOptions(**SETTINGS["fisher"], **CALIB)
-    seen = {}
-    real = streaming._Runner.plan
-
-    def plan(self):
-        seen["sensitivity"] = list(self.state["sensitivity"])
-        real(self)
-
-    monkeypatch.setattr(streaming._Runner, "plan", plan)
-    convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
+    report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
+    seen = report["plan"]
     source = open_source(str(deep_source))
     model = source.load_model(torch.float32)
     ids = calibration_ids(source, opts, model.config.vocab_size)
@@ -173,25 +181,16 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
 
 
 @pytest.mark.parametrize("setting", ["compressed", "planned", "fisher"])
-def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_path, monkeypatch, setting):
+def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_path, setting):
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)
     stream = StreamOptions(max_shard_bytes=40_000, batch_size=5)  # shard boundaries inside layers
     convert_streaming(str(deep_source), tmp_path / "reference", opts, stream)
 
     out = tmp_path / "out"
-    real = streaming._Runner._commit
-    calls = []
-
-    def failing_commit(self, writer):
-        real(self, writer)
-        calls.append(len(self.state["layers"]) + self.state.get("stats_done", 0))
-        if calls[-1] == 3:  # compressed: after layer 3 of 5; planned: after 3 layers' statistics
-            raise _Interrupt
-
-    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
+    # compressed: after layer 3 of 5; planned and fisher: after 3 layers' statistics
+    stop = _stop_at("convert" if setting == "compressed" else "statistics", 3)
     with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), out, opts, stream)
-    monkeypatch.setattr(streaming._Runner, "_commit", real)
+        convert_streaming(str(deep_source), out, opts, stream, on_layer=stop)
     work = work_dir_for(out)
     assert not out.exists() and (work / "state.json").is_file()
 
@@ -213,15 +212,12 @@ def test_killed_process_resumes_to_identical_output(deep_source, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlakit.convert import streaming
-        from mlakit.convert.pipeline import ConvertOptions
-        real = streaming._Runner._commit
-        def commit(self, writer):
-            real(self, writer)
-            if len(self.state["layers"]) == 2:
+        from mlakit.convert.pipeline import ConvertOptions, convert_streaming
+        def kill_before_the_third(phase, index):
+            if (phase, index) == ("convert", 2):
                 os.kill(os.getpid(), signal.SIGKILL)
-        streaming._Runner._commit = commit
-        streaming.convert_streaming({str(deep_source)!r}, {str(out)!r}, ConvertOptions(**{opts!r}))
+        convert_streaming({str(deep_source)!r}, {str(out)!r}, ConvertOptions(**{opts!r}),
+                          on_layer=kill_before_the_third)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
@@ -232,32 +228,53 @@ def test_killed_process_resumes_to_identical_output(deep_source, tmp_path):
     _assert_same_checkpoint(out, tmp_path / "reference")
 
 
-def test_resume_with_changed_settings_is_refused(deep_source, tmp_path, monkeypatch):
+def test_resume_with_changed_settings_is_refused(deep_source, tmp_path):
     opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
-
-    def boom(self, *args):
-        raise _Interrupt
-
-    monkeypatch.setattr(streaming._Runner, "_convert_layer", boom)
     with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), tmp_path / "out", opts)
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=_stop_at("convert", 0))
     assert not work_dir_for(tmp_path / "out").exists()  # nothing finished: nothing kept
-    monkeypatch.undo()
-
-    real = streaming._Runner._commit
-
-    def failing_commit(self, writer):
-        real(self, writer)
-        if self.state["layers"]:
-            raise _Interrupt
-
-    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
     with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), tmp_path / "out", opts)
-    monkeypatch.undo()
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=_stop_at("convert", 1))
     changed = ConvertOptions(**{**SETTINGS["compressed"], "kv_lora_rank": 16}, **CALIB)
     with pytest.raises(ConversionError, match="settings kv_lora_rank differ"):
         convert_streaming(str(deep_source), tmp_path / "out", changed, StreamOptions(resume=True))
+
+
+def test_sequential_calibration_changes_later_layers_only(deep_source, tmp_path):
+    """Sequential calibration: layer 0 sees the same inputs either way, so it converts the same;
+    later layers are fitted to the converted layers' outputs, so they differ."""
+    opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "default", opts)
+    seq = convert_streaming(str(deep_source), tmp_path / "seq", opts, StreamOptions(sequential=True))
+    a, b = _tensors(tmp_path / "seq"), _tensors(tmp_path / "default")
+    layer0 = [k for k in a if k.startswith("model.layers.0.self_attn.")]
+    later = [k for k in a if k.startswith("model.layers.") and ".self_attn." in k and not k.startswith("model.layers.0.")]
+    assert layer0 and all(torch.equal(a[k], b[k]) for k in layer0)
+    assert any(not torch.equal(a[k], b[k]) for k in later)
+    assert seq["verify"]["max_abs_logit_diff"] > 0
+
+
+def test_sequential_calibration_at_full_cache_stays_lossless(deep_source, tmp_path, ids):
+    # the whole cache with every rotary dim kept: full rank, yet calibrated (the statistics are taken)
+    opts = ConvertOptions(kv_budget=1.0, rope_dim=32, allocation="uniform", **CALIB)
+    report = convert_streaming(str(deep_source), tmp_path / "seq", opts, StreamOptions(sequential=True))
+    assert report["verify"]["max_abs_logit_diff"] < 1e-4
+    with torch.no_grad():
+        src = LlamaForCausalLM.from_pretrained(str(deep_source)).eval()(ids).logits
+    assert_close("sequential full cache vs source", _logits(tmp_path / "seq", ids), src, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["compressed", "planned"])
+def test_interrupted_sequential_conversion_resumes_to_identical_output(deep_source, tmp_path, setting):
+    opts = ConvertOptions(**SETTINGS[setting], **CALIB)
+    convert_streaming(str(deep_source), tmp_path / "reference", opts, StreamOptions(sequential=True))
+    with pytest.raises(_Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True),
+                          on_layer=_stop_at("convert", 3))
+    report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True, resume=True))
+    assert report["pipeline"]["resumed_from_layer"] == 3
+    _assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
+    assert report["verify"] == json.loads((tmp_path / "reference" / "conversion.json").read_text())["verify"]
 
 
 def run_cli(*args):
@@ -287,7 +304,7 @@ def test_cli_streams_safetensors_by_default_and_in_memory_on_request(tiny_source
     assert report["pipeline"]["name"] == "streaming" and report["pipeline"]["calibration_batch"] == 8
     code, text = run_cli(src, tmp_path / "mem", *args, "--pipeline", "in-memory")
     assert code == 0, text
-    assert "pipeline" not in json.loads((tmp_path / "mem" / "conversion.json").read_text())
+    assert json.loads((tmp_path / "mem" / "conversion.json").read_text())["pipeline"]["name"] == "in-memory"
     assert torch.equal(_logits(tmp_path / "auto", ids), _logits(tmp_path / "mem", ids))
 
 
@@ -308,14 +325,9 @@ def test_cli_resume_continues_an_interrupted_run(deep_source, tmp_path, monkeypa
         "--dtype",
         "float32",
     ]
-    real = streaming._Runner._commit
-
-    def failing_commit(self, writer):
-        real(self, writer)
-        if len(self.state["layers"]) == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(streaming._Runner, "_commit", failing_commit)
+    real = pipeline.run_conversion  # what the CLI calls; the hook stops it before the third layer
+    monkeypatch.setattr(pipeline, "run_conversion", functools.partial(
+        real, on_layer=_stop_at("convert", 2, KeyboardInterrupt)))
     code, _ = run_cli(*args)
     assert code != 0 and work_dir_for(tmp_path / "out").is_dir()
     monkeypatch.undo()

@@ -29,7 +29,8 @@ from mlakit.convert.assemble import read_attention  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
 from mlakit.convert.families import attention_shape  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
-from mlakit.convert.pipeline import ConvertOptions, build_layers, calibrate, method_of  # noqa: E402
+from mlakit.convert.pipeline import ConvertOptions, method_of  # noqa: E402
+from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.convert.rank_plan import FISHER_STEP, kl_curve, plan_ranks, spend_leftovers  # noqa: E402
 from mlakit.convert.source import open_source  # noqa: E402
 from mlakit.data import load_text, tokenize_text  # noqa: E402

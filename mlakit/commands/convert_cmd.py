@@ -82,7 +82,7 @@ def convert_command(src, out, recipe, device, overwrite, seed, no_verify, quiet,
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
     # imported here, not at the top: --help and usage errors answer without torch
     from ..convert.engine_target import fit_target
-    from ..convert.streaming import StreamOptions, resolve_device, run_conversion
+    from ..convert.pipeline import StreamOptions, resolve_device, run_conversion
     from ..recipes import Recipe, RecipeError
 
     try:

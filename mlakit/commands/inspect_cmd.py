@@ -44,7 +44,8 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
 def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     from ..convert.inspect_model import latent_energy_kept
-    from ..convert.pipeline import build_layers, method_of
+    from ..convert.settings import method_of
+    from ..convert.whole_model import build_layers
 
     built, plan = build_layers(ws, ms, shape, opts, quiet=opts.quiet)
     method = method_of(opts, shape)
@@ -78,7 +79,7 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     from ..convert.families import attention_shape
     from ..convert.inspect_model import layer_spectra, spectra_summary
     from ..convert.layer_metrics import layer_metrics
-    from ..convert.pipeline import calibrate
+    from ..convert.whole_model import calibrate
     from ..convert.source import open_source
 
     start = time.time()

@@ -95,7 +95,7 @@ class SourceLayers:
 
 
 class MLALayers:
-    """Decoder layers of the converted model, built one at a time (for layer-wise verification)."""
+    """Decoder layers of the converted model, built one at a time (verification, sequential calibration)."""
 
     def __init__(self, config, device: str = "cpu"):
         from ..mla_model.modeling_mla import LlamaRotaryEmbedding
@@ -117,15 +117,13 @@ class MLALayers:
         return self.forward(layer, hidden)
 
     def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """``run`` in the caller's grad mode (layer-wise refinement backpropagates through it)."""
+        """``run`` in the caller's grad mode (a layer-wise refinement backpropagates through it)."""
         from ..mla_model.modeling_mla import _AttentionMask
 
         B, L, _ = hidden.shape
         position_ids = torch.arange(L, device=self.device)[None].expand(B, L)
-        with torch.no_grad():  # the rotary table and the mask carry no gradient
-            position_embeddings = self.rotary(hidden, position_ids)
-            mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
-        return layer(hidden, position_embeddings, mask, None)
+        mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
+        return layer(hidden, self.rotary(hidden, position_ids), mask, None)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor, tensors: dict[str, torch.Tensor], head: str) -> torch.Tensor:

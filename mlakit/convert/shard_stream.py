@@ -5,13 +5,14 @@ converts anything (ranks are chosen first), so each shard's header can be writte
 and tensors appended as they are produced: no shard is ever held in memory. The write
 position is one cursor (shard, byte offset, tensor index); a resumed conversion truncates the
 open shard back to the last committed cursor and continues. The files are plain safetensors
-(the same names and index as ``writer.save_state_dict``).
+(``writer.save_state_dict`` writes a whole state dict through the same writer).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,13 +146,21 @@ class ShardStreamWriter:
             )
         if layout.shard_of[name] != c.shard:
             self._finish_shard()
-        if self._file is None:
-            self._file = open(self._path(c.shard), "wb")  # noqa: SIM115 - closed in _finish_shard / close
-            header = layout.header(c.shard)
-            self._file.write(header)
-            c.offset = len(header)
-        data = tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
-        self._file.write(memoryview(data))
+        try:
+            if self._file is None:
+                self._file = open(self._path(c.shard), "wb")  # noqa: SIM115 - closed in _finish_shard / close
+                header = layout.header(c.shard)
+                self._file.write(header)
+                c.offset = len(header)
+            data = tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()
+            self._file.write(memoryview(data))
+        except OSError as exc:  # a full disk or a file size limit
+            free = shutil.disk_usage(self.directory).free
+            raise OSError(
+                f"could not write {self._path(c.shard)}: {exc}. The checkpoint needs about "
+                f"{layout.total_bytes() / 1e6:.1f} MB; {free / 1e6:.1f} MB are free there. Free some space (or raise "
+                f"the file size limit) and rerun"
+            ) from exc
         c.offset += data.nbytes
         c.tensor += 1
 

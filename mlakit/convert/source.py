@@ -114,6 +114,13 @@ class Source:
             raise SourceError(f"{path} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
         return _finite(self.spec, name, t)
 
+    def hold_in_memory(self) -> None:
+        """Read every safetensors tensor into memory once (the in-memory storage policy: later reads
+        cost nothing); GGUF and pickle sources hold theirs already."""
+        for name in list(self._shards):
+            self._tensors[name] = self.tensor(name)
+        self._shards = {}
+
     def release(self) -> None:
         """Drop the weights held in memory (GGUF sources and pickles); safetensors stay on disk."""
         self._model = None

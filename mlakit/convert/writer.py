@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -37,39 +36,19 @@ AUTO_MAP = {
 
 
 def save_state_dict(state: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int = 2 * 1024**3) -> list[str]:
-    """Sharded safetensors with an index when there is more than one shard."""
-    from safetensors.torch import save_file
+    """STATE as sharded safetensors (names in sorted order), with an index when there is more than one
+    shard: the layer-wise converter's shard writer, fed a whole state dict."""
+    from .shard_stream import ShardLayout, ShardStreamWriter
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(state):
-        t = state[name]
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for fname, shard in zip(names, shards):
-        try:
-            save_file(shard, str(directory / fname), metadata={"format": "pt"})
-        except Exception as exc:  # safetensors reports a full disk as its own SafetensorError
-            need = sum(t.numel() * t.element_size() for t in state.values())
-            free = shutil.disk_usage(directory).free
-            raise OSError(
-                f"could not write {directory / fname}: {exc}. The checkpoint needs about {need / 1e6:.1f} MB; "
-                f"{free / 1e6:.1f} MB are free there. Free some space (or raise the file size limit) and rerun"
-            ) from exc
-        weight_map.update(dict.fromkeys(shard, fname))
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        write_json(directory / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return names
+    names = sorted(state)
+    layout = ShardLayout([(n, tuple(state[n].shape), state[n].dtype) for n in names], max_shard_bytes)
+    writer = ShardStreamWriter(layout, directory)
+    try:
+        for name in names:
+            writer.write(name, state[name])
+        return writer.finish()
+    finally:
+        writer.close()
 
 
 def write_modeling_code(directory: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 from ..convert.engine_target import fit_target
 from ..convert.output_dir import check_output, claim_output, local_paths
 from ..convert.source import TOKENIZER_FILES, resolve_source
+from ..convert.verify import VERIFY_TOKENS, logit_report, verify_token_ids
 from ..convert.writer import save_state_dict, write_json
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("native", "deepseek-v3")
 _PROVENANCE = ("conversion.json", "recipe.yaml")
-_VERIFY_TOKENS = 32
 
 
 @dataclass
@@ -152,16 +152,12 @@ def _verify(native_dir: Path, export_dir: Path, max_positions: int) -> dict:
     from ..mla_model import load_converted
 
     native = load_converted(native_dir, torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, native.config.vocab_size, (1, min(_VERIFY_TOKENS, max_positions)), generator=gen)
+    ids = verify_token_ids(native.config.vocab_size, min(VERIFY_TOKENS, max_positions))
     want = native(ids).logits
     stock = DeepseekV3ForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
-    got = stock(ids).logits
-    return {
-        "tokens": ids.shape[1],
-        "max_abs_logit_diff_fp32": float((got - want).abs().max()),
-        "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean()),
-    }
+    report = logit_report(stock(ids).logits, want)
+    report["max_abs_logit_diff_fp32"] = report.pop("max_abs_logit_diff")  # both models ran in float32
+    return report
 
 
 def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:

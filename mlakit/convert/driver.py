@@ -1,0 +1,322 @@
+"""The layer-wise conversion driver: the one orchestration of every conversion.
+
+Per layer: read that layer's tensors from the source (one tensor at a time; a GGUF or pickle
+source holds them in memory, a safetensors directory reads them from disk), build the source
+decoder layer, push the calibration hidden states through it in batches while the calibration
+accumulator (``calibration.layer_accumulator``) gathers E[x~ x~^T] and the attention lag profile
+of its input, convert the attention (``convert_layer``: ``layer_metrics`` + ``compress_layer``),
+append the converted and the copied tensors to the output shards, and drop everything. The
+layer's output hidden states (on disk in the work directory, float32) feed the next layer,
+exactly as in the full model. Only the embedding lookup, one layer and the float64 math of one
+layer are ever resident.
+
+Planned and fisher allocation need every layer's error curve before any rank is chosen: a
+statistics pass computes each layer's statistics and curve and spills them to the work
+directory; ranks are planned; the convert pass converts each layer from its spilled statistics.
+Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
+layer's input for the first ``SENSITIVITY_SAMPLES`` calibration sequences, and a backward sweep
+from the last layer to the first recomputes one layer at a time from its kept input and carries
+the gradient down, with labels sampled from the source's own prediction (as
+``calibration.collect_stats`` draws them in one whole-model backward pass).
+
+With ``StreamOptions.sequential`` the driver keeps two hidden-state streams, the source's and
+the converted model's: layer i's statistics are taken on the converted stream, the output of the
+converted layers 0..i-1 (layer 0's input is the same embedding on both).
+
+Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
+source layer and every converted layer (weights cast to the output dtype, as a reload would
+see them) alongside the conversion; the final norm and LM head give both logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm.auto import tqdm
+
+from .assemble import mla_layer_tensors, read_attention
+from .calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
+from .compress import compress_layer
+from .layer_metrics import layer_metrics
+from .layer_runner import MLALayers, SourceLayers
+from .rank_plan import error_curve, ranks_from_curves
+from .run_state import ConversionSetup, TensorDict, on_device
+from .settings import ConversionError
+from .shard_stream import Cursor, ShardStreamWriter
+from .verify import layerwise_report, verify_token_ids
+from .work_dir import HiddenStore, WorkDir
+
+__all__ = ["CONVERTED", "SOURCE", "LayerDriver"]
+
+log = logging.getLogger(__name__)
+
+SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
+
+
+class LayerDriver:
+    """Runs the passes over the layers of SETUP, committing STATE to WORK after each layer.
+
+    ON_LAYER(phase, index), if given, is called before layer INDEX of PHASE (``"statistics"`` or
+    ``"convert"``) runs, once every earlier layer's work is committed: a progress hook, and the
+    place where a test interrupts a run as a crash would."""
+
+    def __init__(self, setup: ConversionSetup, work: WorkDir, state: dict, on_layer=None):
+        self.c, self.work, self.state = setup, work, state
+        self.on_layer = on_layer or (lambda phase, index: None)
+        self.sequential = setup.stream.sequential
+        src = setup.source
+        self.src_layers = SourceLayers(src.config, setup.shape["window"], setup.device)
+        self.n_calib = 0 if setup.calib_ids is None else setup.calib_ids.shape[0]
+        if self.n_calib:
+            self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size)
+        self.verify = setup.opts.verify
+        if state.get("started"):
+            streams = work.load_tensors("verify.pt") if self.verify else {}
+            self.verify_src, self.verify_mla = streams.get("source"), streams.get("mla")
+        else:
+            self._start()
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        """Embed the calibration and verification tokens: layer 0's inputs."""
+        c = self.c
+        self._embed((SOURCE,))
+        self.verify_src = self.verify_mla = None
+        if self.verify:
+            emb = c.source.tensor("model.embed_tokens.weight")
+            ids = verify_token_ids(c.source.config.vocab_size)
+            self.verify_src = emb.float()[ids].to(c.device)
+            self.verify_mla = emb.to(c.dtype).float()[ids].to(c.device)
+        self.state["started"] = True
+        self._commit(None)
+
+    def _embed(self, streams) -> None:
+        """The calibration tokens' float32 embeddings into the first slot of each of STREAMS."""
+        if not self.n_calib:
+            return
+        c = self.c
+        emb = c.source.tensor("model.embed_tokens.weight")
+        for base in streams:
+            with self.store.writer(base) as sink:
+                for s in range(0, self.n_calib, c.batch_size):
+                    sink.write(torch.nn.functional.embedding(c.calib_ids[s : s + c.batch_size], emb).float())
+
+    def _commit(self, writer: ShardStreamWriter | None) -> None:
+        if writer is not None:
+            writer.sync()
+            self.state["cursor"] = asdict(writer.cursor)
+        if self.verify:
+            self.work.save_tensors("verify.pt", {"source": self.verify_src.cpu(), "mla": self.verify_mla.cpu()})
+        self.work.commit(self.state)
+
+    def _read_layer(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: self.c.source.tensor(name) for name in self.c.layer_names[i]}
+
+    def _progress(self, desc: str, done: int):
+        return tqdm(total=self.c.n, initial=done, desc=desc, unit="layer", disable=self.c.opts.quiet,
+                    file=sys.stderr, dynamic_ncols=True)
+
+    # -- one layer over the calibration set ---------------------------------------------------------
+
+    @torch.no_grad()
+    def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True) -> LayerStats | None:
+        """LAYER (through RUN) over the stream at slot BASE + i % 2, its output to the other slot when
+        WRITE; with ACC, the statistics of the layer's attention input."""
+        c = self.c
+        slot = base + i % 2
+        handles = acc.attach() if acc is not None else []
+        try:
+            with self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext() as sink:
+                for s in range(0, self.n_calib, c.batch_size):
+                    hidden = self.store.read(slot, s, min(s + c.batch_size, self.n_calib)).to(c.device)
+                    if acc is not None:
+                        acc.with_attention = s < ATTENTION_SAMPLES
+                    out = run(layer, hidden)
+                    if sink is not None:
+                        sink.write(out)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return acc.result() if acc is not None else None
+
+    def _accumulator(self, layer):
+        return layer_accumulator(layer.self_attn, self.src_layers.inv_freq, self.c.shape)
+
+    @torch.no_grad()
+    def _source_layer(self, i: int, tensors: dict, base: int = SOURCE, verify: bool = True) -> LayerStats | None:
+        """Source layer I over the calibration stream BASE (and the verification stream when VERIFY);
+        returns the statistics of its attention input."""
+        layer = self.src_layers.layer(i, tensors)
+        stats = None
+        if self.n_calib:
+            stats = self._run_stream(i, base, self.src_layers.run, layer, self._accumulator(layer),
+                                     write=i < self.c.n - 1)
+        if self.verify and verify:
+            self.verify_src = self.src_layers.run(layer, self.verify_src)
+        return stats
+
+    @torch.no_grad()
+    def _sequential_layer(self, i: int, tensors: dict) -> LayerStats | None:
+        """Sequential calibration: source layer I's statistics on the converted stream; the source
+        stream advances through it too (the targets a layer-wise refinement fits)."""
+        layer = self.src_layers.layer(i, tensors)
+        stats = None
+        if self.n_calib:
+            stats = self._run_stream(i, CONVERTED, self.src_layers.run, layer, self._accumulator(layer), write=False)
+            if i < self.c.n - 1:
+                self._run_stream(i, SOURCE, self.src_layers.run, layer)
+        if self.verify:
+            self.verify_src = self.src_layers.run(layer, self.verify_src)
+        return stats
+
+    # -- the passes -------------------------------------------------------------------------------
+
+    def statistics_pass(self) -> None:
+        """Planned and fisher allocation, pass 1: every layer's statistics and error curve (spilled),
+        and for fisher the inputs of the sensitivity sequences."""
+        c, st = self.c, self.state
+        with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
+            for i in range(st["stats_done"], c.n):
+                self.on_layer("statistics", i)
+                tensors = self._read_layer(i)
+                if c.n_sensitivity:
+                    kept = self.store.read(i % 2, 0, c.n_sensitivity)
+                    self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
+                # sequential: the verification stream advances with the convert pass instead
+                stats = self._source_layer(i, tensors, verify=not self.sequential)
+                w, dev_stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
+                with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
+                    error = error_curve(w, layer_metrics(w, dev_stats), c.method, c.rope_dim).cpu()
+                self.work.save_tensors(f"stats-{i:05d}.pt", {
+                    "sigma": stats.sigma, "lag_p2": stats.lag_p2, "inv_freq": stats.inv_freq,
+                    "tokens": torch.tensor(stats.tokens), "error": error,
+                })
+                del tensors, stats, w, dev_stats, error
+                st["stats_done"] = i + 1
+                self._commit(None)
+                bar.update()
+
+    def sensitivity_sweep(self) -> None:
+        """Fisher allocation: each layer's loss sensitivity, from the last layer down. Each layer is
+        rebuilt from its tensors and run with gradients on its kept input (one sequence at a time);
+        the last layer's output goes through the final norm and the LM head with labels sampled
+        from the source's own prediction, as ``calibration.collect_stats`` draws them."""
+        c, runner = self.c, self.src_layers
+        head = runner.head(c.norm_and_head(), "head")
+        generator = torch.Generator().manual_seed(c.opts.seed)
+        sensitivity, grads = [None] * c.n, None
+        with self._progress("loss sensitivities", 0) as bar:
+            for i in reversed(range(c.n)):
+                layer = runner.layer(i, self._read_layer(i)).requires_grad_(False)
+                probe = self._accumulator(layer)
+                handle = layer.self_attn.register_forward_hook(probe.probe_gradient)
+                try:
+                    kept = self.work.load_tensors(f"sens-{i:05d}.pt")["hidden"].to(c.device)
+                    below = []
+                    for s in range(kept.shape[0]):
+                        x = kept[s : s + 1].requires_grad_()
+                        with torch.enable_grad():
+                            out = runner.forward(layer, x)
+                            out.backward(logit_gradient(head, out, generator) if grads is None else grads[s])
+                        below.append(x.grad)
+                finally:
+                    handle.remove()
+                grads, sensitivity[i] = below, probe.sensitivity()
+                del layer, kept
+                bar.update()
+        self.state["sensitivity"] = sensitivity
+        self._commit(None)
+
+    def plan(self) -> None:
+        """Planned and fisher allocation: the ranks, from the spilled error curves."""
+        c, st = self.c, self.state
+        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")["error"] for i in range(c.n)]
+        try:
+            st["ranks"] = ranks_from_curves(errors, st.get("sensitivity", [None] * c.n), c.opts.allocation,
+                                            c.uniform, c.rank_budget)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from exc
+        self._commit(None)
+
+    def _spilled(self, i: int) -> LayerStats:
+        spilled = self.work.load_tensors(f"stats-{i:05d}.pt")
+        return LayerStats(spilled["sigma"], spilled["lag_p2"], spilled["inv_freq"], int(spilled["tokens"]))
+
+    def convert_pass(self) -> None:
+        """Every layer not yet converted: its statistics (taken now, or spilled by the statistics
+        pass), ``convert_layer``, its tensors to the shards; then the global tensors."""
+        c, st = self.c, self.state
+        ranks = st["ranks"]
+        layout, self.per_layer = c.layout(ranks)
+        mla_layers = MLALayers(c.placeholder_config(ranks), c.device)
+        for rec in st["layers"]:
+            mla_layers.config.rope_freq_index[rec["layer"]] = rec["rope_freq_index"]
+        if self.sequential and not st["layers"]:  # both streams start from the embeddings
+            self._embed((SOURCE, CONVERTED))
+        writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
+        try:
+            with self._progress("converting layers", len(st["layers"])) as bar:
+                for i in range(len(st["layers"]), c.n):
+                    self.on_layer("convert", i)
+                    tick = time.time()
+                    tensors = self._read_layer(i)
+                    if self.sequential:
+                        stats = self._sequential_layer(i, tensors)
+                    elif c.two_pass:
+                        stats = self._spilled(i)
+                    else:
+                        stats = self._source_layer(i, tensors)
+                    out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)
+                    del tensors, stats
+                    for name in self.per_layer[i]:
+                        writer.write(name, out[name])
+                    self._propagate(i, mla_layers, mla_layers.layer(i, out))
+                    st["layers"].append(record)
+                    st.setdefault("layer_seconds", []).append(round(time.time() - tick, 2))
+                    self._commit(writer)
+                    log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
+                    bar.update()
+            for name in layout.entries[writer.cursor.tensor :]:
+                writer.write(name[0], c.source.tensor(name[0]).to(c.dtype))
+            writer.finish()
+        finally:
+            writer.close()
+
+    def convert_layer(self, i: int, tensors: dict, stats: LayerStats | None, rank: int,
+                      mla_layers: MLALayers) -> tuple[dict, dict]:
+        """The per-layer convert step: source layer I's TENSORS and its attention-input STATS (None:
+        data-free) to the converted layer's tensors (output dtype, full checkpoint names, the copied
+        norms and MLP included) at kv_lora_rank RANK, and its report record. The layer's rope
+        frequencies go into MLA_LAYERS' config, so ``mla_layers.layer(i, out)`` builds it. The
+        calibration stream this layer read is at ``self.store`` slot ``i % 2`` of SOURCE (or of
+        CONVERTED when sequential)."""
+        c = self.c
+        w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
+        with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
+            metrics = layer_metrics(w, stats) if stats is not None else None
+            mla = compress_layer(w, metrics, c.method, c.rope_dim, rank)
+        del w, stats, metrics  # the float64 statistics are done with before the layer is written
+        out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape["qkv_bias"], kv_a_bias=c.shape["qkv_bias"])
+        out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})
+        mla_layers.config.rope_freq_index[i] = list(mla.freq_index)
+        record = {"layer": i, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.rope_dim,
+                  "rope_freq_index": list(mla.freq_index)}
+        return out, record
+
+    @torch.no_grad()
+    def _propagate(self, i: int, mla_layers: MLALayers, layer) -> None:
+        """Converted layer I on the verification stream and, when sequential, the converted stream."""
+        if self.sequential and self.n_calib and i < self.c.n - 1:
+            self._run_stream(i, CONVERTED, mla_layers.run, layer)
+        if self.verify:
+            self.verify_mla = mla_layers.run(layer, self.verify_mla)
+
+    def verify_report(self) -> dict:
+        mla_layers = MLALayers(self.c.placeholder_config(self.state["ranks"]), self.c.device)
+        return layerwise_report(self.c, self.src_layers, mla_layers, self.verify_src, self.verify_mla)

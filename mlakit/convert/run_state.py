@@ -1,0 +1,196 @@
+"""Everything one conversion fixes before its first layer runs: settings, ranks, tensor layout.
+
+``ConversionSetup`` resolves the options against the source (ranks or the budget layout, the
+method, dtype, calibration ids and batch), lists each layer's tensors and the output layout,
+and says what a work directory must match to be resumed. It reads no layer weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .assemble import check_source_tensors, is_ignored_buffer, mla_config, model_shapes
+from .calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats
+from .engine_target import check_target_shape
+from .families import LAYER_PREFIX, attention_shape
+from .fingerprint import content_fingerprint
+from .mla_layer import AttentionWeights
+from .rank_plan import budget_layout, uniform_ranks
+from .settings import (
+    ConversionError,
+    budget_values,
+    calibration_ids,
+    check_ranks,
+    method_of,
+    needs_calibration,
+    resolve_dtype,
+    resolve_lowrank,
+    sensitivity_sequences,
+)
+from .shard_stream import ShardLayout
+from .stream_memory import choose_batch_size, estimate_sweep_bytes
+
+__all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
+
+STATE_VERSION = 4  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind
+
+
+@dataclass
+class StreamOptions:
+    """How the layer-wise driver runs (not what it computes; none of it is in a recipe)."""
+
+    resume: bool = False  # continue the work directory an interrupted run left beside OUT
+    max_memory: int | None = None  # host RAM budget in bytes: sets the calibration batch, or refuses
+    batch_size: int = BATCH_SIZE  # calibration sequences per forward (at most; --max-memory may lower it)
+    max_shard_bytes: int = 2 * 1024**3
+    # sequential calibration: layer i's statistics are taken on the hidden states the converted
+    # layers 0..i-1 produce (a second hidden-state stream beside the source's), so each layer is
+    # fitted to the inputs it will see in the converted model
+    sequential: bool = False
+
+
+@dataclass
+class LayerRecord:
+    """One converted layer's shape in the report and the config (what ``mla_config`` reads)."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    freq_index: list[int] = field(default_factory=list)
+
+
+class TensorDict:
+    """A name -> tensor dict that reads like a Source (for ``read_attention``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._t = tensors
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._t[name]
+
+
+def on_device(device: str, w: AttentionWeights, stats: LayerStats | None):
+    """W and STATS moved to DEVICE for the float64 per-layer math (unchanged on the CPU)."""
+    if device == "cpu":
+        return w, stats
+    fields = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(w).items()}
+    w = AttentionWeights(**fields)
+    if stats is not None:
+        stats = LayerStats(stats.sigma.to(device), stats.lag_p2.to(device), stats.inv_freq.to(device), stats.tokens,
+                           stats.sensitivity)
+    return w, stats
+
+
+class ConversionSetup:
+    """The resolved settings of converting SOURCE with OPTS (see the module docstring)."""
+
+    def __init__(self, source, opts, stream: StreamOptions):
+        self.source, self.stream = source, stream
+        cfg = source.config
+        self.shape = shape = attention_shape(cfg)
+        check_target_shape(opts, shape)
+        check_ranks(opts if opts.kv_budget is None else _full_ranks(opts), shape)  # fail early
+        self.opts = opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
+        self.n = n = cfg.num_hidden_layers
+        check_source_tensors(source)
+        self.dtype = resolve_dtype(opts.dtype, cfg)
+        self.device = opts.device
+        self.method = method_of(opts, shape)
+        G, d = shape["num_kv_heads"], shape["head_dim"]
+        self.two_pass = False  # planned or fisher: every layer's statistics before any rank
+        self.plan_report: dict = {}
+        if opts.kv_budget is not None:
+            budget = budget_values(opts, shape, n)
+            fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
+            try:
+                self.rope_dim, self.rank_budget = budget_layout(n, G, d, budget, fixed_rope, opts.stock_rope)
+            except ValueError as exc:
+                raise ConversionError(str(exc)) from exc
+            self.uniform = uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
+            self.two_pass = opts.allocation in ("planned", "fisher")
+            self.ranks = None if self.two_pass else self.uniform
+            self.plan_report = {"allocation": opts.allocation, "rope_dim": self.rope_dim,
+                                "budget_values_per_token": budget}
+        else:
+            rank, self.rope_dim = check_ranks(opts, shape)
+            self.ranks = [rank] * n
+        self.calibrated = needs_calibration(opts, shape)
+        self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
+        # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)
+        self.n_sensitivity = sensitivity_sequences(opts, self.calib_ids.shape[0]) if self.calibrated else 0
+        self.batch_size = stream.batch_size
+        if self.calibrated:
+            sweep = None
+            if self.n_sensitivity:
+                sweep = estimate_sweep_bytes(cfg, shape, opts.calib_seq_len, self.n_sensitivity, LOGIT_ROWS,
+                                             opts.device)
+            try:
+                self.batch_size = choose_batch_size(cfg, shape, opts.calib_seq_len, stream.batch_size,
+                                                    stream.max_memory, opts.device, sweep)
+            except ValueError as exc:
+                raise ConversionError(str(exc)) from exc
+        names = source.tensor_names()
+        self.layer_names = [
+            [m for m in names if m.startswith(LAYER_PREFIX.format(i=i)) and not is_ignored_buffer(m)] for i in range(n)
+        ]
+        in_layers = {m for ns in self.layer_names for m in ns}
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.global_names = [
+            m for m in names
+            if m not in in_layers and not is_ignored_buffer(m) and not (self.tied and m == "lm_head.weight")
+        ]
+        self.head_name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in names else "lm_head.weight"
+
+    def norm_and_head(self) -> dict[str, torch.Tensor]:
+        """The source's final norm weight and LM head (key ``head``), as ``SourceLayers.head`` reads them."""
+        return {"model.norm.weight": self.source.tensor("model.norm.weight"), "head": self.source.tensor(self.head_name)}
+
+    def fingerprint(self) -> dict:
+        """What must match for a work directory to be resumed."""
+        settings = {k: v for k, v in asdict(self.opts).items() if k not in ("device", "overwrite", "quiet")}
+        path = self.source.gguf_file or self.source.directory
+        return {
+            "version": STATE_VERSION,
+            "source": str(path.resolve()),
+            "source_content": content_fingerprint(path),  # names and sizes are not enough
+            "settings": settings,
+            "max_shard_bytes": self.stream.max_shard_bytes,
+            "sequential": self.stream.sequential,
+        }
+
+    def placeholder_config(self, ranks: list[int]):
+        """The MLA config of RANKS with the rope frequencies still unknown (they fix no tensor shape)."""
+        half = self.shape["head_dim"] // 2
+        layers = [LayerRecord(r, self.rope_dim, [j % half for j in range(self.rope_dim // 2)]) for r in ranks]
+        return mla_config(self.source.config, self.shape, layers, self.dtype)
+
+    def layout(self, ranks: list[int]) -> tuple[ShardLayout, list[list[str]]]:
+        """Output tensors in write order (layer by layer, then embeddings/norm/head), and each layer's names."""
+        shapes = model_shapes(self.placeholder_config(ranks))
+        per_layer = []
+        for i in range(self.n):
+            prefix = LAYER_PREFIX.format(i=i)
+            attn = sorted(k for k in shapes if k.startswith(prefix + "self_attn."))
+            rest = sorted(k for k in shapes if k.startswith(prefix) and not k.startswith(prefix + "self_attn."))
+            copied = [m for m in self.layer_names[i] if ".self_attn." not in m]
+            if sorted(copied) != rest:
+                raise ConversionError(
+                    f"layer {i}: source tensors {sorted(set(copied) ^ set(rest))[:5]} do not match "
+                    f"the MLA model's; is {self.source.spec} a complete checkpoint?"
+                )
+            per_layer.append(attn + rest)
+        glob = sorted(k for k in shapes if not k.startswith("model.layers."))
+        if sorted(self.global_names) != glob:
+            raise ConversionError(
+                f"source tensors {sorted(set(self.global_names) ^ set(glob))[:5]} do not match "
+                f"the MLA model's; is {self.source.spec} a complete checkpoint?"
+            )
+        order = [k for names in per_layer for k in names] + glob
+        return ShardLayout([(k, shapes[k], self.dtype) for k in order], self.stream.max_shard_bytes), per_layer
+
+
+def _full_ranks(opts):
+    from dataclasses import replace
+
+    return replace(opts, kv_lora_rank="full")

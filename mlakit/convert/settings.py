@@ -1,0 +1,199 @@
+"""Conversion settings made concrete and checked against the source's attention shape.
+
+Pure functions of the options (``pipeline.ConvertOptions``) and the source config: every value
+the layer-wise driver needs (ranks, rope dims, budget, method, dtype, calibration ids) is
+resolved here, before any layer runs, so a bad setting fails before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..choices import DTYPE_NAMES, MIN_CALIB_SEQ_LEN
+from .calibration import SENSITIVITY_SAMPLES
+from .compress import Method
+from .rank_plan import ALLOCATIONS
+from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
+
+if TYPE_CHECKING:
+    from .pipeline import ConvertOptions
+    from .source import Source
+
+__all__ = [
+    "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "ConversionError", "budget_values", "cached_share", "calibration_ids",
+    "check_calibration", "check_ranks", "effective_recipe", "method_of", "needs_calibration", "needs_sensitivity",
+    "resolve_allocation", "resolve_dtype", "resolve_lowrank", "sensitivity_sequences",
+]
+
+DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16,
+                                torch.float16)))
+
+
+# what --allocation auto means; its cost against uniform is measured by bench/allocation_cost.py
+AUTO_ALLOCATION = "fisher"
+
+
+class ConversionError(ValueError):
+    """A conversion setting does not fit the source model; the message names the allowed values."""
+
+
+def resolve_dtype(name: str, source_config) -> torch.dtype:
+    if name == "auto":
+        src = getattr(source_config, "dtype", None) or getattr(source_config, "torch_dtype", None)
+        if isinstance(src, torch.dtype):
+            return src if src in DTYPES.values() else torch.float32
+        return DTYPES.get(str(src).replace("torch.", ""), torch.float32)
+    if name not in DTYPES:
+        raise ConversionError(f"--dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_ranks(opts: ConvertOptions, shape: dict) -> tuple[int, int]:
+    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim)."""
+    G, d = shape["num_kv_heads"], shape["head_dim"]
+    rope_full = G * d
+    if opts.rope_dim == "full":
+        rope_dim = rope_full
+    else:
+        rope_dim = int(opts.rope_dim)
+        if not 0 <= rope_dim <= rope_full:
+            raise ConversionError(f"--rope-dim must be 'full' or an even integer in [0, {rope_full}] "
+                                  f"({G} KV heads x head_dim {d}); got {rope_dim}")
+        if rope_dim % 2:
+            raise ConversionError(f"--rope-dim must be even (rotary dims come in pairs); got {rope_dim}, "
+                                  f"try {rope_dim - 1} or {rope_dim + 1}")
+    if opts.stock_rope and opts.rope_method not in STOCK_ROPE_METHODS:
+        raise ConversionError(f"--stock-rope works with --rope-method {' or '.join(STOCK_ROPE_METHODS)}; "
+                              f"got {opts.rope_method!r}")
+    if opts.stock_rope and not (opts.kv_budget is not None and opts.rope_dim == "full"):
+        try:
+            check_stock_rope_dim(d, rope_dim)
+        except ValueError as exc:
+            raise ConversionError(f"--stock-rope: {exc}") from exc
+    rank_full = 2 * G * d - rope_dim
+    if opts.kv_lora_rank == "full":
+        return rank_full, rope_dim
+    rank = int(opts.kv_lora_rank)
+    if not 1 <= rank <= rank_full:
+        raise ConversionError(f"--kv-lora-rank must be 'full' or an integer in [1, {rank_full}] "
+                              f"(2 x {G} KV heads x head_dim {d} minus rope dim {rope_dim}); got {rank}")
+    return rank, rope_dim
+
+
+def check_calibration(opts: ConvertOptions) -> None:
+    """Calibration sizes, checked before any work (the CLI's ranges say the same)."""
+    if int(opts.calib_samples) < 1:
+        raise ConversionError(f"--calib-samples must be >= 1 (calibration sequences); got {opts.calib_samples}")
+    if int(opts.calib_seq_len) < MIN_CALIB_SEQ_LEN:
+        raise ConversionError(
+            f"--calib-seq-len must be >= {MIN_CALIB_SEQ_LEN} tokens per calibration sequence; got "
+            f"{opts.calib_seq_len}"
+        )
+
+
+def resolve_allocation(opts: ConvertOptions) -> ConvertOptions:
+    """OPTS with ``--allocation auto`` made concrete: ``AUTO_ALLOCATION``, the same for every source
+    (every source goes through the one layer-wise driver, whose backward sweep gives fisher its
+    sensitivities)."""
+    if opts.allocation != "auto":
+        return opts
+    return replace(opts, allocation=AUTO_ALLOCATION)
+
+
+# RRR weighs key and value errors by a first-order model of the output error. It wins at large
+# budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones
+# (bench/experiments/lowrank_domains.py, SmolLM2-135M: on the two evaluation texts unlike the
+# calibration's, RRR is ahead in 4 of 4 cases at 0.5 and 0.3125 of the source cache, BKV-PCA in
+# 3 of 4 at 0.1875 and 0.125). A measured switch point on one model, not a derivation.
+AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
+
+
+def cached_share(opts: ConvertOptions, shape: dict) -> float:
+    """The converted cache as a share of the source's: the budget, or (rank + rope dims) / (2 G d)."""
+    if opts.kv_budget is not None:
+        return float(opts.kv_budget)
+    rank, rope_dim = check_ranks(opts, shape)
+    return (rank + rope_dim) / (2 * shape["num_kv_heads"] * shape["head_dim"])
+
+
+def resolve_lowrank(opts: ConvertOptions, shape: dict) -> ConvertOptions:
+    """OPTS with ``--lowrank-method auto`` made concrete (``AUTO_RRR_FROM``)."""
+    if opts.lowrank_method != "auto":
+        return opts
+    return replace(opts, lowrank_method="rrr" if cached_share(opts, shape) >= AUTO_RRR_FROM else "bkv_pca")
+
+
+def needs_sensitivity(opts: ConvertOptions) -> bool:
+    """Whether the allocation of OPTS reads each layer's loss sensitivity (a backward pass)."""
+    return opts.kv_budget is not None and resolve_allocation(opts).allocation == "fisher"
+
+
+def sensitivity_sequences(opts: ConvertOptions, n_calib: int) -> int:
+    """How many of N_CALIB calibration sequences the loss-sensitivity backward pass uses (0: none)."""
+    return min(SENSITIVITY_SAMPLES, n_calib) if needs_sensitivity(opts) else 0
+
+
+def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> torch.Tensor:
+    """(calib_samples, calib_seq_len) token ids of the calibration set."""
+    from ..data import calibration_batches
+
+    if opts.calib == "random":  # structure tests on tokenizer-less tiny models
+        gen = torch.Generator().manual_seed(opts.seed)
+        return torch.randint(0, vocab_size, (opts.calib_samples, opts.calib_seq_len), generator=gen)
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        raise ConversionError(f"{source.spec} has no tokenizer files, so calibration text cannot be tokenized; "
+                              f"add the tokenizer to the model directory")
+    return calibration_batches(tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.seed, flag="--calib")
+
+
+def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
+    """Checked --kv-budget and --allocation: the budget in cached values per token over all layers."""
+    if not 0 < opts.kv_budget <= 1:
+        raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
+    if opts.allocation not in ALLOCATIONS:
+        raise ConversionError(f"allocation {opts.allocation!r} is not one of {', '.join(ALLOCATIONS)}")
+    return int(opts.kv_budget * n_layers * 2 * shape["num_kv_heads"] * shape["head_dim"])
+
+
+def method_of(opts: ConvertOptions, shape: dict) -> Method:
+    """The per-layer method of OPTS for a model of SHAPE; a bad combination is a ConversionError."""
+    opts = resolve_lowrank(opts, shape)
+    try:
+        return Method(opts.rope_method, opts.lowrank_method, opts.fold, opts.mixing, opts.stock_rope)
+    except ValueError as exc:
+        raise ConversionError(str(exc)) from exc
+
+
+def needs_calibration(opts: ConvertOptions, shape: dict) -> bool:
+    if opts.kv_budget is not None:
+        return True
+    rank, rope_dim = check_ranks(opts, shape)
+    full = shape["num_kv_heads"] * shape["head_dim"]
+    return not (rope_dim == full and rank == 2 * full - rope_dim)
+
+
+def effective_recipe(opts: ConvertOptions, base=None):
+    """The recipe that reproduces OPTS (saved beside the weights)."""
+    from ..recipes import Calibration, MethodSpec, Recipe
+
+    budget = opts.kv_budget is not None
+    return Recipe(
+        name=getattr(base, "name", None),
+        description=getattr(base, "description", None),
+        kv_budget=opts.kv_budget,
+        allocation=opts.allocation,
+        kv_lora_rank=None if budget else opts.kv_lora_rank,
+        rope_dim=None if budget else opts.rope_dim,
+        method=MethodSpec(rope=opts.rope_method, lowrank=opts.lowrank_method, fold=opts.fold, mixing=opts.mixing,
+                          stock_rope=opts.stock_rope),
+        target=opts.target,
+        calibration=Calibration(data=opts.calib, samples=opts.calib_samples, seq_len=opts.calib_seq_len,
+),
+        dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(opts.dtype, opts.dtype),
+    )
+
+
