@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ..choices import ALLOCATIONS, DTYPE_NAMES, MIN_CALIB_SEQ_LEN, TARGETS
+from ..choices import ALLOCATIONS, DTYPE_NAMES, MIN_CALIB_SEQ_LEN, REFINE_MODES, TARGETS
 from .common import byte_size_type, rank_option_type, user_errors, verbosity_options
 from .export_cmd import export_options
 
@@ -18,6 +18,8 @@ _OVERRIDES = {
     "allocation": "allocation", "rope_method": "rope_method", "lowrank_method": "lowrank_method", "fold": "fold",
     "stock_rope": "stock_rope", "target": "target",
     "calib": "calib", "calib_samples": "calib_samples", "calib_seq_len": "calib_seq_len", "dtype": "dtype",
+    "refine": "refine", "refine_epochs": "refine_epochs", "refine_lr": "refine_lr", "refine_batch": "refine_batch",
+    "refine_sequences": "refine_sequences",
 }
 
 
@@ -53,6 +55,18 @@ _OVERRIDES = {
                    "outside 320, 512, 576); replaces a recipe's budget, refuses conflicting flags and sources that "
                    "cache at most 576 values per layer (nothing to gain). With --format deepseek-v3 also refuses "
                    "what vLLM's DeepSeek model misreads. any: no engine constraint [default: any].")
+@click.option("--refine", type=click.Choice(REFINE_MODES),
+              help="After the closed form, refit each converted attention to the source layer's output from the "
+                   "hidden states the converted layers below it produce (error-compensating, layer by layer): "
+                   "o_proj by least squares, then --refine-epochs of Adam; never raises a layer's calibration "
+                   "loss; the cache is unchanged [default: none].")
+@click.option("--refine-epochs", type=click.FloatRange(0, 1000),
+              help="Adam passes over the refinement sequences; 0 = the o_proj refit only [default: 0].")
+@click.option("--refine-lr", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Adam step size relative to each weight's RMS [default: 0.001].")
+@click.option("--refine-batch", type=click.IntRange(min=1), help="Sequences per Adam step [default: 4].")
+@click.option("--refine-sequences", type=click.IntRange(min=1),
+              help="Calibration sequences refined on (the first ones) [default: all].")
 @click.option("--calib", help="Calibration text: builtin, a text file, or hf:NAME[:CONFIG[:SPLIT]] [default: builtin].")
 @click.option("--calib-samples", type=click.IntRange(min=1), help="Calibration sequences [default: 128].")
 @click.option("--calib-seq-len", type=click.IntRange(min=MIN_CALIB_SEQ_LEN),

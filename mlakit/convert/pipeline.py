@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .refine import RefineSettings
 from .run import resolve_device, run_conversion  # noqa: F401 - the CLI runs these
 from .run_state import StreamOptions
 from .settings import (  # noqa: F401 - the API's names
@@ -47,6 +48,12 @@ class ConvertOptions:
     mixing: str = "pca"
     stock_rope: bool = False  # rope the stock deepseek-v3 export can express (every k-th frequency)
     target: str = "any"  # serving engine whose MLA kernels the plan must fit: engine_target.TARGETS
+    # layer-wise refinement after the closed form (convert/refine.py): choices.REFINE_MODES
+    refine: str = "none"
+    refine_epochs: float = RefineSettings.epochs  # Adam passes (0: the closed-form o_proj refit only)
+    refine_lr: float = RefineSettings.lr  # Adam step relative to each weight's RMS
+    refine_batch: int = RefineSettings.batch  # sequences per Adam step
+    refine_sequences: int | None = RefineSettings.sequences  # calibration sequences refined on (None: all)
     calib: str = "builtin"
     calib_samples: int = 128
     calib_seq_len: int = 256

@@ -54,7 +54,9 @@ class RefineSettings:
 
     loss: str = "attention"  # REFINE_LOSSES
     sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
-    epochs: float = 4.0  # Adam passes over those sequences (0: the o_proj refit only)
+    # Adam passes over those sequences; 0: the o_proj refit only, which gets most of the gain at a
+    # fraction of the cost (bench/experiments/refine_variants.py)
+    epochs: float = 0.0
     batch: int = 4  # sequences per Adam step
     lr: float = 1e-3  # Adam step size per step, relative to each tensor's RMS
     refit_o_proj: bool = True  # closed-form least squares of o_proj first (attention loss only)

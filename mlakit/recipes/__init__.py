@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..choices import MIN_CALIB_SEQ_LEN
 
-__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError"]
+__all__ = ["BUILTIN_RECIPES", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError", "RefineSpec"]
 
 
 class RecipeError(ValueError):
@@ -36,6 +36,16 @@ class MethodSpec(_Strict):
     stock_rope: bool = False  # rope the stock deepseek-v3 export can express
 
 
+class RefineSpec(_Strict):
+    """Layer-wise refinement after the closed form (convert/refine.py)."""
+
+    mode: Literal["none", "layer"] = "none"
+    epochs: float = Field(0.0, ge=0, le=1000)  # Adam passes; 0: the closed-form o_proj refit only
+    lr: float = Field(1e-3, gt=0, lt=1)  # Adam step relative to each weight's RMS
+    batch: int = Field(4, ge=1)  # sequences per Adam step
+    sequences: int | None = Field(None, ge=1)  # calibration sequences refined on (None: all)
+
+
 class Calibration(_Strict):
     data: str = "builtin"
     samples: int = Field(128, ge=1)
@@ -50,6 +60,7 @@ class Recipe(_Strict):
     kv_lora_rank: int | Literal["full"] | None = None
     rope_dim: int | Literal["full"] | None = None
     method: MethodSpec = MethodSpec()
+    refine: RefineSpec = RefineSpec()
     calibration: Calibration = Calibration()
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # serving engine whose MLA kernels the plan must fit (vllm: 512 + 64 in every layer; engine_target.py)
@@ -112,6 +123,11 @@ class Recipe(_Strict):
             calib_seq_len=self.calibration.seq_len,
             dtype=self.dtype,
             target=self.target,
+            refine=self.refine.mode,
+            refine_epochs=self.refine.epochs,
+            refine_lr=self.refine.lr,
+            refine_batch=self.refine.batch,
+            refine_sequences=self.refine.sequences,
         )
         fields.update(overrides)
         return ConvertOptions(**fields)
