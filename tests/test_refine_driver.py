@@ -12,13 +12,15 @@ import yaml
 from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.convert.refine import RefineSettings
 from mlakit.recipes import Recipe, RefineSpec
+from tests import test_streaming
 from tests.convert_helpers import fast_args, run
-from tests.test_streaming import _assert_same_checkpoint, _Interrupt, _same_bytes, _stop_at, _tensors, deep_source  # noqa: F401 - a fixture
+from tests.test_streaming import _assert_same_checkpoint, _Interrupt, _same_bytes, _stop_at, _tensors
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 CALIB = dict(calib="random", calib_samples=12, calib_seq_len=24, dtype="float32", quiet=True)
 REFINE = dict(refine="layer", refine_epochs=1.0, refine_batch=4)
+deep_source = test_streaming.deep_source  # the 5-layer fixture
 
 
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2"])

@@ -47,9 +47,9 @@ from tqdm.auto import tqdm
 from .assemble import mla_layer_tensors, read_attention
 from .calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
 from .compress import compress_layer
+from .families import LAYER_PREFIX
 from .layer_metrics import layer_metrics
 from .layer_runner import MLALayers, SourceLayers
-from .families import LAYER_PREFIX
 from .rank_plan import error_curve, ranks_from_curves
 from .refine import attention_residual, refine_layer
 from .run_state import ConversionSetup, TensorDict, on_device
