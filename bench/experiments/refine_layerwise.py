@@ -58,8 +58,8 @@ ROWS = {
     "+ sequential calibration": (True, None),
     "+ sequential calibration + o_proj refit (attention target)": (True, RefineSettings(epochs=0)),
     "source statistics + o_proj refit (attention target)": (False, RefineSettings(epochs=0)),
-    "+ sequential calibration + refit + Adam (attention target)": (True, RefineSettings()),
-    "+ sequential calibration + Adam (block target)": (True, RefineSettings(loss="block", refit_o_proj=False)),
+    "+ sequential calibration + refit + Adam (attention target)": (True, RefineSettings(epochs=4.0)),
+    "+ sequential calibration + Adam (block target)": (True, RefineSettings(loss="block", refit_o_proj=False, epochs=4.0)),
 }
 
 

@@ -32,15 +32,16 @@ from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.refine import RefineSettings, attention_residual, layer_loss, refine_layer
 from mlakit.convert.source import open_source
 
+ADAM = dict(epochs=4.0, batch=4)  # 4 passes over the sequences, 4 per step
 VARIANTS = {
     "o_proj refit": RefineSettings(epochs=0),
-    "refit + Adam lr 1e-3": RefineSettings(),
-    "refit + Adam lr 3e-4": RefineSettings(lr=3e-4),
-    "refit + Adam (q, kv only) lr 1e-3": RefineSettings(params=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
-    "Adam lr 1e-3 (no refit)": RefineSettings(refit_o_proj=False),
-    "Adam lr 3e-3 (no refit)": RefineSettings(refit_o_proj=False, lr=3e-3),
-    "block target: Adam lr 1e-3": RefineSettings(loss="block", refit_o_proj=False),
-    "block target: Adam lr 3e-3": RefineSettings(loss="block", refit_o_proj=False, lr=3e-3),
+    "refit + Adam lr 1e-3": RefineSettings(**ADAM),
+    "refit + Adam lr 3e-4": RefineSettings(**ADAM, lr=3e-4),
+    "refit + Adam (q, kv only) lr 1e-3": RefineSettings(**ADAM, params=("q_proj", "kv_a_proj_with_mqa", "kv_b_proj")),
+    "Adam lr 1e-3 (no refit)": RefineSettings(**ADAM, refit_o_proj=False),
+    "Adam lr 3e-3 (no refit)": RefineSettings(**ADAM, refit_o_proj=False, lr=3e-3),
+    "block target: Adam lr 1e-3": RefineSettings(**ADAM, loss="block", refit_o_proj=False),
+    "block target: Adam lr 3e-3": RefineSettings(**ADAM, loss="block", refit_o_proj=False, lr=3e-3),
 }
 
 
