@@ -38,16 +38,10 @@ from mlakit.convert.compress import compress_layer
 from mlakit.convert.families import LAYER_PREFIX, attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.layer_runner import MLALayers, SourceLayers
-from mlakit.convert.pipeline import (
-    ConvertOptions,
-    assemble_state,
-    build_layers,
-    calibrate,
-    calibration_ids,
-    method_of,
-)
+from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.refine import RefineSettings, attention_residual, refine_layer
 from mlakit.convert.source import open_source
+from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM

@@ -23,6 +23,18 @@ by about its step size per step, so each tensor's step size is ``lr`` times its 
 change of the weights, the same for any model's weight scale. The loss is evaluated before and
 after on the same calibration sequences and the best of the start, the refit and the Adam result
 is kept: refinement never returns weights with a higher calibration loss than it was given.
+
+How the constants were chosen (none is fitted to one model):
+- the refit's loss before and after come from its own normal equations (one attention pass);
+- ``lr`` 1e-3 of each tensor's RMS per step: over a cosine schedule the weights move by at most
+  about steps * lr / 2 of their scale, a few percent for tens of steps: a correction of the
+  closed form's start, not training from it;
+- ``epochs`` 0 by default (the refit only): on SmolLM2-135M, Adam after the refit removed a few
+  percent more of the loss at several times the refit's cost, and Adam alone, or on the block
+  target, got less than the refit (bench/experiments/refine_variants.py);
+- the ``attention`` target by default: the refit needs it, and its block-output loss came out
+  below what Adam on the block target itself reached (same bench); the perplexity of each
+  choice is in bench/experiments/refine_layerwise.py's results.
 """
 
 from __future__ import annotations
