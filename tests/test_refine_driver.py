@@ -109,3 +109,17 @@ def test_recipe_and_options_defaults_are_the_refinement_defaults():
     assert opts["refine"] == spec.mode == "none"
     assert (opts["refine_epochs"], opts["refine_lr"], opts["refine_batch"], opts["refine_sequences"]) == (
         settings.epochs, settings.lr, settings.batch, settings.sequences)
+
+
+@pytest.mark.parametrize("setting", [dict(kv_lora_rank=20, rope_dim=8), dict(kv_budget=0.4, allocation="fisher")])
+def test_refining_on_fewer_sequences_carries_only_those_and_stays_identical(tiny_sources, tmp_path, setting):
+    """--refine-sequences 5 of 12: the streams beyond the statistics carry 5 sequences (not a
+    multiple of the batch); both storage policies still write the same bytes, and each layer
+    reports refining on what it was given."""
+    opts = ConvertOptions(**setting, **CALIB, **(REFINE | dict(refine_sequences=5)))
+    mem = convert(str(tiny_sources["qwen2"]), tmp_path / "mem", opts)
+    convert_streaming(str(tiny_sources["qwen2"]), tmp_path / "stream", opts)
+    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert all(r["refine"]["steps"] == 2 for r in mem["layers"])  # ceil(1 epoch x 5 sequences / 4)
+    full = convert(str(tiny_sources["qwen2"]), tmp_path / "all", ConvertOptions(**setting, **CALIB, **REFINE))
+    assert [r["refine"]["loss_before"] for r in full["layers"]] != [r["refine"]["loss_before"] for r in mem["layers"]]

@@ -82,6 +82,9 @@ class LayerDriver:
         self.refining = setup.refine is not None and self.n_calib > 0
         # a converted hidden-state stream beside the source's: sequential statistics or refinement inputs
         self.two_streams = self.sequential or self.refining
+        # sequences the converted stream (and, in the convert pass of a two-pass plan, the source
+        # stream) must carry: all for sequential statistics, else only those refinement reads
+        self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
         if self.n_calib:
             self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size)
         self.verify = setup.opts.verify
@@ -135,16 +138,19 @@ class LayerDriver:
     # -- one layer over the calibration set ---------------------------------------------------------
 
     @torch.no_grad()
-    def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True) -> LayerStats | None:
-        """LAYER (through RUN) over the stream at slot BASE + i % 2, its output to the other slot when
-        WRITE; with ACC, the statistics of the layer's attention input."""
+    def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True,
+                    rows: int | None = None) -> LayerStats | None:
+        """LAYER (through RUN) over the first ROWS sequences (default: all) of the stream at slot
+        BASE + i % 2, its output to the other slot when WRITE; with ACC, the statistics of the layer's
+        attention input."""
         c = self.c
         slot = base + i % 2
+        rows = self.n_calib if rows is None else rows
         handles = acc.attach() if acc is not None else []
         try:
             with self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext() as sink:
-                for s in range(0, self.n_calib, c.batch_size):
-                    hidden = self.store.read(slot, s, min(s + c.batch_size, self.n_calib)).to(c.device)
+                for s in range(0, rows, c.batch_size):
+                    hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
                         acc.with_attention = s < ATTENTION_SAMPLES
                     out = run(layer, hidden)
@@ -353,13 +359,13 @@ class LayerDriver:
     def _advance_source(self, i: int, tensors: dict) -> None:
         """The source stream through source layer I (its statistics are already spilled)."""
         if i < self.c.n - 1:
-            self._run_stream(i, SOURCE, self.src_layers.run, self.src_layers.layer(i, tensors))
+            self._run_stream(i, SOURCE, self.src_layers.run, self.src_layers.layer(i, tensors), rows=self.stream_rows)
 
     @torch.no_grad()
     def _propagate(self, i: int, mla_layers: MLALayers, layer) -> None:
         """Converted layer I on the verification stream and, when sequential, the converted stream."""
         if self.two_streams and self.n_calib and i < self.c.n - 1:
-            self._run_stream(i, CONVERTED, mla_layers.run, layer)
+            self._run_stream(i, CONVERTED, mla_layers.run, layer, rows=self.stream_rows)
         if self.verify:
             self.verify_mla = mla_layers.run(layer, self.verify_mla)
 
