@@ -128,7 +128,7 @@ def main():
     seconds = {n: {"stats": 0.0, "compress": 0.0, "refine": 0.0, "forward": 0.0} for n in layer_rows}
     reports = {n: [] for n in layer_rows}
     t_source_path = 0.0
-    need = max([st.sequences for _, st in rows.values() if st is not None] + [0])
+    need = max([st.used(n_calib) for _, st in rows.values() if st is not None] + [0])
     for i in range(n_layers):
         layer_tick = time.time()
         prefix = LAYER_PREFIX.format(i=i)
@@ -172,7 +172,7 @@ def main():
             if settings is not None:
                 tick = time.time()
                 target = att_target if settings.loss == "attention" else out_src
-                n = min(settings.sequences, n_calib)
+                n = settings.used(n_calib)
                 rep = refine_layer(block, runner.forward, h_conv[name][:n], target[:n], settings, seed=i)
                 sec["refine"] += time.time() - tick
                 reports[name].append({k: v for k, v in rep.items() if k != "settings"})
