@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-write-results", action="store_true")
     ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timing after each run")
+    ap.add_argument("--name", default="convert_cost", help="results file name (bench/results/NAME.{md,json})")
     args = ap.parse_args()
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES
 
@@ -129,8 +130,8 @@ def main() -> None:
     print(md)
     if not args.no_write_results:
         RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "convert_cost.json").write_text(json.dumps(result, indent=2))
-        (RESULTS / "convert_cost.md").write_text(md)
+        (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+        (RESULTS / f"{args.name}.md").write_text(md)
 
 
 def markdown(result: dict) -> str:

@@ -11,6 +11,7 @@ __all__ = [
     "MIN_CALIB_SEQ_LEN",
     "MIXINGS",
     "ROPE_METHODS",
+    "REFINE_MODES",
     "ROPE_SCALING_POLICIES",
     "STOCK_ROPE_METHODS",
     "TARGETS",
@@ -25,6 +26,7 @@ STOCK_ROPE_METHODS = ("scored", "transmla")  # rope methods that can keep the st
 BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handling of attention biases
 ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)
 TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.engine_target)
+REFINE_MODES = ("none", "layer")  # after the closed form: nothing, or convert.refine on every layer
 
 # The rotary selection weighs each component by its attention at every query-key distance
 # (``calibration``'s lag profile, weighted by 1 - cos(theta * lag)); a 1-token sequence has only

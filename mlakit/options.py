@@ -25,6 +25,7 @@ from .choices import (
     LOWRANK_METHODS,
     MIN_CALIB_SEQ_LEN,
     MIXINGS,
+    REFINE_MODES,
     ROPE_METHODS,
     STOCK_ROPE_METHODS,
     TARGETS,
@@ -35,7 +36,8 @@ __all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError", "field_flag", "for
 # Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
 RECIPE_FIELDS = (
     "kv_lora_rank", "rope_dim", "kv_budget", "allocation", "rope_method", "lowrank_method", "fold", "mixing",
-    "stock_rope", "target", "calib", "calib_samples", "calib_seq_len", "dtype",
+    "stock_rope", "target", "refine", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
+    "calib", "calib_samples", "calib_seq_len", "dtype",
 )  # fmt: skip
 
 _RUN = {"recipe": False}  # json_schema_extra of the fields not in RECIPE_FIELDS (checked below)
@@ -118,6 +120,25 @@ class ConvertOptions:
             "what vLLM's DeepSeek model misreads. any: no engine constraint."
         ),
     ] = "any"
+    # layer-wise refinement after the closed form (convert/refine.py); the defaults are
+    # refine.RefineSettings' (tests/test_refine_driver.py checks they agree)
+    refine: Annotated[
+        Literal[REFINE_MODES],
+        Field(
+            description="After the closed form, refit each converted attention to the source layer's output from "
+            "the hidden states the converted layers below it produce (error-compensating, layer by layer): o_proj "
+            "by least squares, then --refine-epochs of Adam; never raises a layer's calibration loss; the cache "
+            "is unchanged."
+        ),
+    ] = "none"
+    refine_epochs: Annotated[
+        float, Field(ge=0, le=1000, description="Adam passes over the refinement sequences; 0 = the o_proj refit only.")
+    ] = 0.0
+    refine_lr: Annotated[float, Field(gt=0, lt=1, description="Adam step size relative to each weight's RMS.")] = 1e-3
+    refine_batch: Annotated[int, Field(ge=1, description="Sequences per Adam step.")] = 4
+    refine_sequences: Annotated[
+        int | None, Field(ge=1, description="Calibration sequences refined on (the first ones; unset: all).")
+    ] = None
     calib: Annotated[
         str,
         Field(

@@ -23,6 +23,11 @@ With ``StreamOptions.sequential`` the driver keeps two hidden-state streams, the
 the converted model's: layer i's statistics are taken on the converted stream, the output of the
 converted layers 0..i-1 (layer 0's input is the same embedding on both).
 
+With ``--refine layer`` it keeps both streams too: after the closed form, each converted layer is
+refined (``refine.refine_layer``) from its inputs on the converted stream toward the source
+layer's attention output on the source stream, so it compensates the error the layers below it
+left; the refined layer is the one written and the one the converted stream runs through.
+
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
 see them) alongside the conversion; the final norm and LM head give both logits.
@@ -42,9 +47,11 @@ from tqdm.auto import tqdm
 from .assemble import mla_layer_tensors, read_attention
 from .calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
 from .compress import compress_layer
+from .families import LAYER_PREFIX
 from .layer_metrics import layer_metrics
 from .layer_runner import MLALayers, SourceLayers
 from .rank_plan import error_curve, ranks_from_curves
+from .refine import attention_residual, refine_layer
 from .run_state import ConversionSetup, TensorDict, on_device
 from .settings import ConversionError
 from .shard_stream import Cursor, ShardStreamWriter
@@ -72,6 +79,12 @@ class LayerDriver:
         src = setup.source
         self.src_layers = SourceLayers(src.config, setup.shape["window"], setup.device)
         self.n_calib = 0 if setup.calib_ids is None else setup.calib_ids.shape[0]
+        self.refining = setup.refine is not None and self.n_calib > 0
+        # a converted hidden-state stream beside the source's: sequential statistics or refinement inputs
+        self.two_streams = self.sequential or self.refining
+        # sequences the converted stream (and, in the convert pass of a two-pass plan, the source
+        # stream) must carry: all for sequential statistics, else only those refinement reads
+        self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
         if self.n_calib:
             self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size)
         self.verify = setup.opts.verify
@@ -125,16 +138,19 @@ class LayerDriver:
     # -- one layer over the calibration set ---------------------------------------------------------
 
     @torch.no_grad()
-    def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True) -> LayerStats | None:
-        """LAYER (through RUN) over the stream at slot BASE + i % 2, its output to the other slot when
-        WRITE; with ACC, the statistics of the layer's attention input."""
+    def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True,
+                    rows: int | None = None) -> LayerStats | None:
+        """LAYER (through RUN) over the first ROWS sequences (default: all) of the stream at slot
+        BASE + i % 2, its output to the other slot when WRITE; with ACC, the statistics of the layer's
+        attention input."""
         c = self.c
         slot = base + i % 2
+        rows = self.n_calib if rows is None else rows
         handles = acc.attach() if acc is not None else []
         try:
             with self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext() as sink:
-                for s in range(0, self.n_calib, c.batch_size):
-                    hidden = self.store.read(slot, s, min(s + c.batch_size, self.n_calib)).to(c.device)
+                for s in range(0, rows, c.batch_size):
+                    hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
                         acc.with_attention = s < ATTENTION_SAMPLES
                     out = run(layer, hidden)
@@ -257,7 +273,7 @@ class LayerDriver:
         mla_layers = MLALayers(c.placeholder_config(ranks), c.device)
         for rec in st["layers"]:
             mla_layers.config.rope_freq_index[rec["layer"]] = rec["rope_freq_index"]
-        if self.sequential and not st["layers"]:  # both streams start from the embeddings
+        if self.two_streams and not st["layers"]:  # both streams start from the embeddings
             self._embed((SOURCE, CONVERTED))
         writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
         try:
@@ -270,6 +286,8 @@ class LayerDriver:
                         stats = self._sequential_layer(i, tensors)
                     elif c.two_pass:
                         stats = self._spilled(i)
+                        if self.refining:  # the source stream carries the refinement targets
+                            self._advance_source(i, tensors)
                     else:
                         stats = self._source_layer(i, tensors)
                     out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)
@@ -307,13 +325,47 @@ class LayerDriver:
         mla_layers.config.rope_freq_index[i] = list(mla.freq_index)
         record = {"layer": i, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.rope_dim,
                   "rope_freq_index": list(mla.freq_index)}
+        if self.refining:
+            record["refine"] = self._refine(i, tensors, mla, out, mla_layers)
         return out, record
+
+    def _refine(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
+        """Refine converted layer I (float32, from MLA) on the first sequences of the converted stream
+        toward the source layer's attention output on the source stream; when the refinement kept new
+        weights, they replace the attention tensors in OUT (output dtype). Returns the report entry."""
+        c, settings = self.c, self.c.refine
+        n, bs = settings.used(self.n_calib), c.batch_size
+        src_layer = self.src_layers.layer(i, tensors)
+        with torch.no_grad():
+            targets = torch.cat([
+                attention_residual(src_layer, self.src_layers.run,
+                                   self.store.read(SOURCE + i % 2, s, min(s + bs, n)).to(c.device))
+                for s in range(0, n, bs)
+            ])
+        del src_layer
+        inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
+        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape["qkv_bias"], kv_a_bias=c.shape["qkv_bias"])
+        block = mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
+        report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
+                              progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
+                                                          disable=c.opts.quiet, file=sys.stderr))
+        if report["kept"] in ("o_proj refit", "adam"):
+            prefix = LAYER_PREFIX.format(i=i) + "self_attn."
+            for name, t in block.self_attn.state_dict().items():
+                out[prefix + name] = t.detach().to(c.dtype).contiguous()
+        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds")}
+
+    @torch.no_grad()
+    def _advance_source(self, i: int, tensors: dict) -> None:
+        """The source stream through source layer I (its statistics are already spilled)."""
+        if i < self.c.n - 1:
+            self._run_stream(i, SOURCE, self.src_layers.run, self.src_layers.layer(i, tensors), rows=self.stream_rows)
 
     @torch.no_grad()
     def _propagate(self, i: int, mla_layers: MLALayers, layer) -> None:
         """Converted layer I on the verification stream and, when sequential, the converted stream."""
-        if self.sequential and self.n_calib and i < self.c.n - 1:
-            self._run_stream(i, CONVERTED, mla_layers.run, layer)
+        if self.two_streams and self.n_calib and i < self.c.n - 1:
+            self._run_stream(i, CONVERTED, mla_layers.run, layer, rows=self.stream_rows)
         if self.verify:
             self.verify_mla = mla_layers.run(layer, self.verify_mla)
 

@@ -26,6 +26,7 @@ from .settings import (
     method_of,
     needs_calibration,
     resolve_dtype,
+    refine_settings,
     resolve_lowrank,
     sensitivity_sequences,
 )
@@ -97,6 +98,7 @@ class ConversionSetup:
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
         self.method = method_of(opts, shape)
+        self.refine = refine_settings(opts)  # None: no layer-wise refinement
         G, d = shape["num_kv_heads"], shape["head_dim"]
         self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "ConversionError", "budget_values", "cached_share", "calibration_ids",
     "check_calibration", "check_ranks", "effective_recipe", "method_of", "needs_calibration", "needs_sensitivity",
-    "resolve_allocation", "resolve_dtype", "resolve_lowrank", "sensitivity_sequences",
+    "refine_settings", "resolve_allocation", "resolve_dtype", "resolve_lowrank", "sensitivity_sequences",
 ]
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.float16,
@@ -174,6 +174,22 @@ def needs_calibration(opts: ConvertOptions, shape: dict) -> bool:
     rank, rope_dim = check_ranks(opts, shape)
     full = shape["num_kv_heads"] * shape["head_dim"]
     return not (rope_dim == full and rank == 2 * full - rope_dim)
+
+
+def refine_settings(opts: ConvertOptions):
+    """The ``refine.RefineSettings`` of OPTS (None: ``--refine none``); a bad value is a ConversionError."""
+    from ..choices import REFINE_MODES
+    from .refine import RefineSettings
+
+    if opts.refine not in REFINE_MODES:
+        raise ConversionError(f"--refine {opts.refine!r} is not one of {', '.join(REFINE_MODES)}")
+    if opts.refine == "none":
+        return None
+    try:
+        return RefineSettings(epochs=opts.refine_epochs, lr=opts.refine_lr, batch=opts.refine_batch,
+                              sequences=opts.refine_sequences)
+    except ValueError as exc:
+        raise ConversionError(f"--refine-*: {exc}") from exc
 
 
 def effective_recipe(opts: ConvertOptions, base=None):

@@ -1,0 +1,298 @@
+"""Layer-wise, error-compensating refinement of one converted attention (after the closed form).
+
+The closed form (``compress_layer``) fits each attention to the source's second moments, one
+layer at a time and blind to what the layers before it got wrong. Here the converted decoder
+layer sees the hidden states the converted layers below it produce (``inputs``, x) and is fitted
+to what the source layer outputs on the source's own hidden states (``targets``, y), so it also
+absorbs the error it inherits: block-wise reconstruction as in post-training quantisation
+(BRECQ, Li et al. 2021; GPTQ's sequential calibration, Frantar et al. 2022). Only the attention
+weights move (``q_proj``, ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj``, their biases); the
+latent rank, the rotary dims and so the cache stay as the plan made them.
+
+Loss: the relative squared error of the layer's update, sum ||f(x) - y||^2 / sum ||y - x||^2
+(1 means "as bad as leaving the residual stream as it came in"), with f
+
+- ``attention``: the residual stream after the attention, x + attn(norm(x)); the target is the
+  source's x_src + attn_src(norm(x_src)) (``attention_residual``). Cheap (the MLP never runs) and
+  quadratic in ``o_proj``, which therefore has a closed-form optimum (``refit_o_proj``).
+- ``block``: the decoder layer's output, MLP included; the target is the source layer's output.
+
+Steps: first the least-squares refit of ``o_proj`` given the converted path's attention outputs
+(``attention`` loss only), then Adam with a cosine-decayed step size. Adam moves every element
+by about its step size per step, so each tensor's step size is ``lr`` times its RMS: a relative
+change of the weights, the same for any model's weight scale. The loss is evaluated before and
+after on the same calibration sequences and the best of the start, the refit and the Adam result
+is kept: refinement never returns weights with a higher calibration loss than it was given.
+
+How the constants were chosen (none is fitted to one model):
+- the refit's loss before and after come from its own normal equations (one attention pass);
+- ``lr`` 1e-3 of each tensor's RMS per step: over a cosine schedule the weights move by at most
+  about steps * lr / 2 of their scale, a few percent for tens of steps: a correction of the
+  closed form's start, not training from it;
+- ``epochs`` 0 by default (the refit only): on SmolLM2-135M, Adam after the refit removed a few
+  percent more of the loss at several times the refit's cost, and Adam alone, or on the block
+  target, got less than the refit (bench/experiments/refine_variants.py);
+- the ``attention`` target by default: the refit needs it, and its block-output loss came out
+  below what Adam on the block target itself reached (same bench); the perplexity of each
+  choice is in bench/experiments/refine_layerwise.py's results.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "RefineSettings", "attention_residual",
+           "layer_loss", "refine_layer"]
+
+REFINE_LOSSES = ("attention", "block")
+ATTENTION_PARAMS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+# A start already at float32 rounding (the full-rank conversion reproduces the source to ~1e-13
+# relative squared error) is left untouched: there is nothing to compensate, and a bit-exact
+# conversion must stay bit-exact. Any real compression error is many orders above it.
+EXACT_LOSS = 1e-10
+_EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (calibration.BATCH_SIZE)
+_RIDGE = 1e-8  # ridge of the o_proj normal equations, relative to their mean diagonal
+
+
+@dataclass(frozen=True)
+class RefineSettings:
+    """How one layer is refined. Steps follow from the data: ``ceil(epochs * sequences / batch)``."""
+
+    loss: str = "attention"  # REFINE_LOSSES
+    sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
+    # Adam passes over those sequences; 0: the o_proj refit only, which gets most of the gain at a
+    # fraction of the cost (bench/experiments/refine_variants.py)
+    epochs: float = 0.0
+    batch: int = 4  # sequences per Adam step
+    lr: float = 1e-3  # Adam step size per step, relative to each tensor's RMS
+    refit_o_proj: bool = True  # closed-form least squares of o_proj first (attention loss only)
+    params: tuple[str, ...] = ATTENTION_PARAMS  # which attention projections Adam moves
+
+    def __post_init__(self):
+        if self.loss not in REFINE_LOSSES:
+            raise ValueError(f"refine loss {self.loss!r} is not one of {', '.join(REFINE_LOSSES)}")
+        if self.refit_o_proj and self.loss != "attention":
+            raise ValueError("the closed-form o_proj refit needs the attention loss (the block loss is not "
+                             "quadratic in o_proj); set refit_o_proj=False or loss='attention'")
+        for name, value in (("sequences", self.sequences), ("batch", self.batch)):
+            if (value is not None or name == "batch") and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"refine {name} must be an integer >= 1; got {value!r}")
+        if not (isinstance(self.epochs, (int, float)) and 0 <= self.epochs <= 1000):
+            raise ValueError(f"refine epochs must be a number in [0, 1000]; got {self.epochs!r}")
+        if not (isinstance(self.lr, (int, float)) and 0 < self.lr < 1):
+            raise ValueError(f"refine lr (a step relative to the weights' RMS) must be in (0, 1); got {self.lr!r}")
+        unknown = [p for p in self.params if p not in ATTENTION_PARAMS]
+        if unknown or not self.params:
+            raise ValueError(f"refine params {list(self.params)!r}: each must be one of "
+                             f"{', '.join(ATTENTION_PARAMS)} (at least one)")
+
+    def steps(self, n_sequences: int) -> int:
+        """Adam steps for N_SEQUENCES available inputs."""
+        return math.ceil(self.epochs * self.used(n_sequences) / self.batch)
+
+    def used(self, n_sequences: int) -> int:
+        """How many of N_SEQUENCES available inputs are refined on."""
+        return n_sequences if self.sequences is None else min(self.sequences, n_sequences)
+
+
+class _Stop(Exception):
+    """Raised after the attention: the rest of the block does not enter the attention loss."""
+
+
+def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """The residual stream after BLOCK's attention, hidden + self_attn(norm(hidden)), through
+    RUN(block, hidden) (which supplies the mask and rotary table); the MLP is not run. Works for
+    the source's decoder layers and the converted ones alike (both return (output, ...) from
+    ``self_attn`` and add it to their input)."""
+    seen = {}
+
+    def hook(module, args, output):
+        seen["out"] = output[0] if isinstance(output, tuple) else output
+        raise _Stop
+
+    handle = block.self_attn.register_forward_hook(hook)
+    try:
+        run(block, hidden)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return hidden + seen["out"]
+
+
+def _predict(block, run, hidden, loss: str) -> torch.Tensor:
+    return attention_residual(block, run, hidden) if loss == "attention" else run(block, hidden)
+
+
+@torch.no_grad()
+def layer_loss(block, run, inputs: torch.Tensor, targets: torch.Tensor, loss: str) -> float:
+    """sum ||f(x) - y||^2 / sum ||y - x||^2 over INPUTS / TARGETS (N, T, D), in float64."""
+    err = ref = 0.0
+    for s in range(0, inputs.shape[0], _EVAL_BATCH):
+        x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
+        err += float((_predict(block, run, x, loss) - y).double().square().sum())
+        ref += float((y - x).double().square().sum())
+    return err / ref if ref > 0 else err
+
+
+def _parameters(block, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]:
+    attn = block.self_attn
+    return [(f"{m}.{kind}", p) for m in names for kind, p in getattr(attn, m).named_parameters(recurse=False)]
+
+
+@torch.no_grad()
+def _o_proj_moments(block, run, inputs, targets):
+    """One pass of the attention over INPUTS: Z^T Z, Z^T R and sum ||R||^2 (float64), with z the
+    attention's output before o_proj ([z; 1] when o_proj has a bias) and r = y - x the update the
+    attention should add. The attention loss is quadratic in W = [W_o | b]:
+    sum ||W z - r||^2 = sum ||r||^2 - 2 <W, (Z^T R)^T> + <W Z^T Z, W>, so these moments give the
+    loss of any o_proj exactly, with no further pass."""
+    o = block.self_attn.o_proj
+    seen = {}
+    handle = o.register_forward_pre_hook(lambda module, args: seen.__setitem__("z", args[0]))
+    zz = zr = None
+    rr = 0.0
+    try:
+        for s in range(0, inputs.shape[0], _EVAL_BATCH):
+            x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
+            attention_residual(block, run, x)
+            z = seen["z"].reshape(-1, o.in_features).double()
+            if o.bias is not None:
+                z = torch.cat([z, torch.ones(z.shape[0], 1, dtype=z.dtype, device=z.device)], dim=1)
+            r = (y - x).reshape(-1, o.out_features).double()
+            zz = z.T @ z if zz is None else zz + z.T @ z
+            zr = z.T @ r if zr is None else zr + z.T @ r
+            rr += float(r.square().sum())
+    finally:
+        handle.remove()
+    return zz, zr, rr
+
+
+def _o_proj_matrix(o) -> torch.Tensor:
+    w = o.weight.detach().double()
+    return torch.cat([w, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w
+
+
+def _quadratic_loss(w: torch.Tensor, zz: torch.Tensor, zr: torch.Tensor, rr: float) -> float:
+    """The attention loss of o_proj = W (``_o_proj_moments``), relative to sum ||r||^2."""
+    err = rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum())
+    return max(err, 0.0) / rr if rr > 0 else max(err, 0.0)
+
+
+@torch.no_grad()
+def _refit_o_proj(o, zz: torch.Tensor, zr: torch.Tensor) -> torch.Tensor:
+    """o_proj := argmin sum ||x + W z + b - y||^2 (b only if o_proj has a bias): the normal
+    equations in float64 with a tiny ridge. Returns the float32 solution as float64 (the W the
+    layer now holds, for ``_quadratic_loss``)."""
+    ridge = _RIDGE * float(zz.diagonal().mean()) + 1e-30
+    solution = torch.linalg.solve(zz + ridge * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), zr).T
+    o.weight.copy_(solution[:, : o.in_features].to(o.weight.dtype))
+    if o.bias is not None:
+        o.bias.copy_(solution[:, -1].to(o.bias.dtype))
+    return _o_proj_matrix(o)
+
+
+def _adam(block, run, inputs, targets, settings: RefineSettings, steps: int, seed: int, progress) -> None:
+    params = _parameters(block, settings.params)
+    # one step size per tensor: lr times the RMS of its module's weight (biases share it, since a
+    # bias may start at zero)
+    scale = {m: float(getattr(block.self_attn, m).weight.detach().double().square().mean().sqrt()) for m in settings.params}
+    groups = [{"params": [p], "lr": settings.lr * (scale[name.split(".")[0]] or 1.0)} for name, p in params]
+    opt = torch.optim.Adam(groups)
+    base = [g["lr"] for g in groups]
+    n = inputs.shape[0]
+    ref = (targets - inputs).double().square().sum(dim=(1, 2))  # per-sequence normaliser
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    ticks = range(steps) if progress is None else progress(range(steps))
+    with torch.enable_grad():
+        for step in ticks:
+            if order.numel() < settings.batch:
+                order = torch.cat([order, torch.randperm(n, generator=gen)])
+            pick, order = order[: settings.batch], order[settings.batch :]
+            x, y = inputs[pick], targets[pick]
+            err = (_predict(block, run, x, settings.loss) - y).square().sum()
+            loss = err / ref[pick].sum().clamp_min(1e-30).to(err.dtype)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            for g, lr in zip(opt.param_groups, base):  # cosine decay to zero over the run
+                g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+            opt.step()
+
+
+def _own_attention_weights(block) -> None:
+    """Give the attention private copies of its weights. ``load_state_dict(assign=True)`` (how
+    ``MLALayers.layer`` attaches them) keeps the caller's tensors, and a float32 source's o_proj
+    reaches the converted layer uncopied: writing in place would change the source itself."""
+    for m in ATTENTION_PARAMS:
+        module = getattr(block.self_attn, m)
+        for kind, p in list(module.named_parameters(recurse=False)):
+            setattr(module, kind, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets: torch.Tensor,
+                 settings: RefineSettings, seed: int = 0, progress=None) -> dict:
+    """Refine BLOCK's attention in place so that f(inputs) comes closer to TARGETS (module docstring).
+
+    BLOCK: a converted decoder layer (``MLALayers.layer``), float32. RUN(block, hidden): its
+    forward in the caller's grad mode (``MLALayers.forward``). INPUTS (N, T, D): the hidden
+    states entering the layer on the converted path; TARGETS (N, T, D): the source's, for
+    ``settings.loss`` (``attention``: ``attention_residual`` of the source layer on the source
+    path; ``block``: the source layer's output). The first ``settings.sequences`` are used.
+    PROGRESS (optional) wraps the step range (a progress bar). Returns the report:
+    loss_before, loss_after, which result was kept, steps, seconds."""
+    if inputs.shape != targets.shape or inputs.dim() != 3:
+        raise ValueError(f"refine_layer needs inputs and targets of one shape (N, T, D); got "
+                         f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
+    start = time.time()
+    n = settings.used(inputs.shape[0])
+    inputs, targets = inputs[:n].detach(), targets[:n].detach()
+    report = {"settings": asdict(settings) | {"params": list(settings.params)}, "sequences": n}
+    _own_attention_weights(block)
+    frozen = [(p, p.requires_grad) for p in block.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    try:
+        attn = block.self_attn
+        if settings.refit_o_proj:  # one pass gives the loss before and after the refit (exactly)
+            moments = _o_proj_moments(block, run, inputs, targets)
+            before = _quadratic_loss(_o_proj_matrix(attn.o_proj), *moments)
+        else:
+            before = layer_loss(block, run, inputs, targets, settings.loss)
+        report["loss_before"] = before
+        if before <= EXACT_LOSS:
+            return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
+                             "seconds": round(time.time() - start, 3)}
+        best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})
+        if settings.refit_o_proj:
+            refit = _quadratic_loss(_refit_o_proj(attn.o_proj, moments[0], moments[1]), *moments)
+            report["loss_after_refit"] = refit
+            del moments
+            if refit < best[0]:
+                best = (refit, "o_proj refit", {k: v.detach().clone() for k, v in attn.state_dict().items()})
+            else:
+                attn.load_state_dict(best[2])
+        steps = settings.steps(n)
+        if steps:
+            for _, p in _parameters(block, settings.params):
+                p.requires_grad_(True)
+            _adam(block, run, inputs, targets, settings, steps, seed, progress)
+            for p, _ in frozen:
+                p.requires_grad_(False)
+            after = layer_loss(block, run, inputs, targets, settings.loss)
+            report["loss_after_adam"] = after
+            if after < best[0]:
+                best = (after, "adam", None)
+        if best[2] is not None:
+            attn.load_state_dict(best[2])
+        return report | {"loss_after": best[0], "kept": best[1], "steps": steps,
+                         "seconds": round(time.time() - start, 3)}
+    finally:
+        for p, flag in frozen:
+            p.requires_grad_(flag)
