@@ -241,8 +241,9 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"Throughput: {a['prompt_len']}-token random prompts, {a['new_tokens']} greedy tokens each, wall time of "
-        "one `generate` call (prefill included). On CPU the MLA path runs vLLM's reference CPU MLA backend (SDPA "
-        "prefill, `mla_decode_kvcache` decode) and the source vLLM's CPU paged attention; these are CPU numbers "
+        "one `generate` call (prefill included). On CPU the MLA path runs vLLM's CPU MLA backend (SDPA prefill) "
+        "with the plugin's batched decode (mlakit/serving/vllm_cpu_decode.py) and the source vLLM's CPU paged "
+        "attention; these are CPU numbers "
         "and say nothing about GPU kernels.",
         f"Load average (1 min) before/after: source {s['load_avg_1m_before_after']}, MLA "
         f"{m['load_avg_1m_before_after']}. "
