@@ -19,7 +19,6 @@ from .settings import (  # noqa: F401 - the API's names
     budget_values,
     cached_share,
     calibration_ids,
-    check_calibration,
     check_ranks,
     effective_recipe,
     method_of,

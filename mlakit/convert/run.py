@@ -27,7 +27,7 @@ from .families import attention_shape
 from .output_dir import OutputExistsError, check_output, claim_output, local_paths
 from .report import conversion_report, write_side_files
 from .run_state import ConversionSetup, LayerRecord, StreamOptions
-from .settings import ConversionError, check_calibration, resolve_allocation
+from .settings import ConversionError, resolve_allocation
 from .shard_stream import read_header
 from .source import SourceError, open_source, resolve_source
 from .work_dir import WorkDir, open_work_dir, work_dir_for
@@ -79,7 +79,6 @@ def run_conversion(src: str, out, opts, pipeline: str = "auto", stream: StreamOp
         opts = resolve_allocation(fit_target(opts))
     except ValueError as exc:
         raise ConversionError(str(exc)) from exc
-    check_calibration(opts)
     torch.manual_seed(opts.seed)
     start = time.time()
     check_output(out, opts.overwrite, local_paths(src))  # before the source is resolved (a hub id downloads)
