@@ -353,7 +353,8 @@ class LayerDriver:
             prefix = LAYER_PREFIX.format(i=i) + "self_attn."
             for name, t in block.self_attn.state_dict().items():
                 out[prefix + name] = t.detach().to(c.dtype).contiguous()
-        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds")}
+        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
+                                       "cv_loss_start", "cv_loss_refit", "refit") if k in report}
 
     @torch.no_grad()
     def _advance_source(self, i: int, tensors: dict) -> None:

@@ -18,14 +18,16 @@ Loss: the relative squared error of the layer's update, sum ||f(x) - y||^2 / sum
 - ``block``: the decoder layer's output, MLP included; the target is the source layer's output.
 
 Steps: first the least-squares refit of ``o_proj`` given the converted path's attention outputs
-(``attention`` loss only), then Adam with a cosine-decayed step size. Adam moves every element
+(``attention`` loss only; its ridge chosen by two-fold cross-validation over the calibration
+sequences, and skipped when no ridge beats the closed form on held-out sequences), then Adam with a cosine-decayed step size. Adam moves every element
 by about its step size per step, so each tensor's step size is ``lr`` times its RMS: a relative
 change of the weights, the same for any model's weight scale. The loss is evaluated before and
 after on the same calibration sequences and the best of the start, the refit and the Adam result
 is kept: refinement never returns weights with a higher calibration loss than it was given.
 
 How the constants were chosen (none is fitted to one model):
-- the refit's loss before and after come from its own normal equations (one attention pass);
+- the refit's loss before and after come from its own normal equations (one attention pass), and so
+  does its held-out error, which picks the ridge from a log grid (``_choose_ridge``);
 - ``lr`` 1e-3 of each tensor's RMS per step: over a cosine schedule the weights move by at most
   about steps * lr / 2 of their scale, a few percent for tens of steps: a correction of the
   closed form's start, not training from it;
@@ -57,7 +59,9 @@ ATTENTION_PARAMS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 # conversion must stay bit-exact. Any real compression error is many orders above it.
 EXACT_LOSS = 1e-10
 _EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (calibration.BATCH_SIZE)
-_RIDGE = 1e-8  # ridge of the o_proj normal equations, relative to their mean diagonal
+# ridges of the o_proj normal equations tried, relative to their mean diagonal (a log grid from
+# "none" to strong shrinkage); the held-out error picks one (``_choose_ridge``)
+_RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1)
 
 
 @dataclass(frozen=True)
@@ -148,30 +152,32 @@ def _parameters(block, names: tuple[str, ...]) -> list[tuple[str, nn.Parameter]]
 
 @torch.no_grad()
 def _o_proj_moments(block, run, inputs, targets):
-    """One pass of the attention over INPUTS: Z^T Z, Z^T R and sum ||R||^2 (float64), with z the
-    attention's output before o_proj ([z; 1] when o_proj has a bias) and r = y - x the update the
-    attention should add. The attention loss is quadratic in W = [W_o | b]:
-    sum ||W z - r||^2 = sum ||r||^2 - 2 <W, (Z^T R)^T> + <W Z^T Z, W>, so these moments give the
-    loss of any o_proj exactly, with no further pass."""
+    """One pass of the attention over INPUTS: per fold (even and odd sequences) Z^T Z, Z^T R and
+    sum ||R||^2 (float64), with z the attention's output before o_proj ([z; 1] when o_proj has a
+    bias) and r = y - x the update the attention should add. The attention loss is quadratic in
+    W = [W_o | b]: sum ||W z - r||^2 = sum ||r||^2 - 2 <W, (Z^T R)^T> + <W Z^T Z, W>, so these
+    moments give the loss of any o_proj exactly, on either fold or both, with no further pass."""
     o = block.self_attn.o_proj
     seen = {}
     handle = o.register_forward_pre_hook(lambda module, args: seen.__setitem__("z", args[0]))
-    zz = zr = None
-    rr = 0.0
+    folds = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     try:
         for s in range(0, inputs.shape[0], _EVAL_BATCH):
             x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
             attention_residual(block, run, x)
-            z = seen["z"].reshape(-1, o.in_features).double()
+            z = seen["z"].double()
             if o.bias is not None:
-                z = torch.cat([z, torch.ones(z.shape[0], 1, dtype=z.dtype, device=z.device)], dim=1)
-            r = (y - x).reshape(-1, o.out_features).double()
-            zz = z.T @ z if zz is None else zz + z.T @ z
-            zr = z.T @ r if zr is None else zr + z.T @ r
-            rr += float(r.square().sum())
+                z = torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
+            r = (y - x).double()
+            for k, fold in enumerate(folds):  # sequence s + j belongs to fold (s + j) % 2
+                zk = z[(s + k) % 2 :: 2].reshape(-1, z.shape[-1])
+                rk = r[(s + k) % 2 :: 2].reshape(-1, r.shape[-1])
+                fold[0] = fold[0] + zk.T @ zk
+                fold[1] = fold[1] + zk.T @ rk
+                fold[2] += float(rk.square().sum())
     finally:
         handle.remove()
-    return zz, zr, rr
+    return [tuple(f) for f in folds]
 
 
 def _o_proj_matrix(o) -> torch.Tensor:
@@ -179,23 +185,40 @@ def _o_proj_matrix(o) -> torch.Tensor:
     return torch.cat([w, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w
 
 
-def _quadratic_loss(w: torch.Tensor, zz: torch.Tensor, zr: torch.Tensor, rr: float) -> float:
-    """The attention loss of o_proj = W (``_o_proj_moments``), relative to sum ||r||^2."""
-    err = rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum())
-    return max(err, 0.0) / rr if rr > 0 else max(err, 0.0)
+def _error(w: torch.Tensor, zz, zr, rr: float) -> float:
+    """sum ||W z - r||^2 from the moments (``_o_proj_moments``), clamped at 0 (rounding)."""
+    return max(rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum()), 0.0)
 
 
-@torch.no_grad()
-def _refit_o_proj(o, zz: torch.Tensor, zr: torch.Tensor) -> torch.Tensor:
-    """o_proj := argmin sum ||x + W z + b - y||^2 (b only if o_proj has a bias): the normal
-    equations in float64 with a tiny ridge. Returns the float32 solution as float64 (the W the
-    layer now holds, for ``_quadratic_loss``)."""
-    ridge = _RIDGE * float(zz.diagonal().mean()) + 1e-30
-    solution = torch.linalg.solve(zz + ridge * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), zr).T
-    o.weight.copy_(solution[:, : o.in_features].to(o.weight.dtype))
-    if o.bias is not None:
-        o.bias.copy_(solution[:, -1].to(o.bias.dtype))
-    return _o_proj_matrix(o)
+def _quadratic_loss(w: torch.Tensor, zz, zr, rr: float) -> float:
+    """The attention loss of o_proj = W, relative to sum ||r||^2."""
+    return _error(w, zz, zr, rr) / rr if rr > 0 else _error(w, zz, zr, rr)
+
+
+def _solve(zz: torch.Tensor, zr: torch.Tensor, ridge: float) -> torch.Tensor:
+    """argmin_W sum ||W z - r||^2 + ridge * mean(diag Z^T Z) * ||W||^2: the normal equations."""
+    lam = ridge * float(zz.diagonal().mean()) + 1e-30
+    return torch.linalg.solve(zz + lam * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), zr).T
+
+
+def _sum(folds):
+    return tuple(a + b for a, b in zip(*folds))
+
+
+def _choose_ridge(w0: torch.Tensor, folds) -> tuple[float | None, dict]:
+    """The ridge of the o_proj refit, by two-fold cross-validation over the calibration sequences:
+    fit on one fold, measure on the other, both ways. The refit has as many unknowns per output as
+    the attention has value dims, and a calibration of few or similar sequences leaves directions of
+    z it never excites; an unregularised solve puts large weights there, which new text excites
+    (the loss on calibration falls while perplexity elsewhere explodes). Returns the ridge whose
+    held-out error is lowest, or None when no ridge beats the closed form's own held-out error."""
+    held = lambda w_of: sum(_error(w_of(1 - f), *folds[f]) for f in (0, 1))  # noqa: E731
+    start = held(lambda f: w0)
+    errors = {r: held(lambda f, r=r: _solve(folds[f][0], folds[f][1], r)) for r in _RIDGES}
+    best = min(errors, key=errors.get)
+    total = folds[0][2] + folds[1][2]
+    report = {"cv_loss_start": start / total, "cv_loss_refit": errors[best] / total, "ridge": best}
+    return (best if errors[best] < start else None), report
 
 
 def _adam(block, run, inputs, targets, settings: RefineSettings, steps: int, seed: int, progress) -> None:
@@ -261,7 +284,8 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
     try:
         attn = block.self_attn
         if settings.refit_o_proj:  # one pass gives the loss before and after the refit (exactly)
-            moments = _o_proj_moments(block, run, inputs, targets)
+            folds = _o_proj_moments(block, run, inputs, targets)
+            moments = _sum(folds)
             before = _quadratic_loss(_o_proj_matrix(attn.o_proj), *moments)
         else:
             before = layer_loss(block, run, inputs, targets, settings.loss)
@@ -270,14 +294,25 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
             return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
                              "seconds": round(time.time() - start, 3)}
         best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})
-        if settings.refit_o_proj:
-            refit = _quadratic_loss(_refit_o_proj(attn.o_proj, moments[0], moments[1]), *moments)
-            report["loss_after_refit"] = refit
-            del moments
-            if refit < best[0]:
-                best = (refit, "o_proj refit", {k: v.detach().clone() for k, v in attn.state_dict().items()})
+        if settings.refit_o_proj and n < 2:
+            report["refit"] = "skipped: two-fold validation needs at least 2 sequences"
+        elif settings.refit_o_proj:
+            ridge, validation = _choose_ridge(_o_proj_matrix(attn.o_proj), folds)
+            report |= validation
+            if ridge is None:
+                report["refit"] = "skipped: no ridge beat the closed form on held-out sequences"
             else:
-                attn.load_state_dict(best[2])
+                w = _solve(moments[0], moments[1], ridge)
+                refit = _quadratic_loss(w, *moments)
+                report["loss_after_refit"] = refit
+                if refit < best[0]:
+                    o = attn.o_proj
+                    o.weight.copy_(w[:, : o.in_features].to(o.weight.dtype))
+                    if o.bias is not None:
+                        o.bias.copy_(w[:, -1].to(o.bias.dtype))
+                    best = (_quadratic_loss(_o_proj_matrix(o), *moments), "o_proj refit",
+                            {k: v.detach().clone() for k, v in attn.state_dict().items()})
+            del folds, moments
         steps = settings.steps(n)
         if steps:
             for _, p in _parameters(block, settings.params):
