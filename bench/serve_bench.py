@@ -134,8 +134,9 @@ def trace_scheduler(llm) -> dict:
     The counts come from wrapping the scheduler's own methods on this one instance, so they are
     vLLM's decisions, not a model of them."""
     try:
-        sched = llm.llm_engine.engine_core.engine_core.scheduler
-        schedule, preempt = sched.schedule, sched._preempt_request
+        core = llm.llm_engine.engine_core.engine_core
+        sched = core.scheduler
+        schedule, preempt, step_fn = sched.schedule, sched._preempt_request, core.step_fn
     except AttributeError as err:  # another vLLM layout: say so rather than report zeros
         raise RuntimeError(
             f"cannot reach vLLM's scheduler ({err}); the bench needs the in-process engine of vLLM 0.32"
@@ -144,9 +145,17 @@ def trace_scheduler(llm) -> dict:
 
     def reset():
         trace.update(steps=0, running_step_sum=0, max_running=0, max_waiting=0, preemptions=0)
+        trace.update(decode_steps=0, decode_tokens=0, decode_s=0.0, prefill_steps=0, prefill_tokens=0, prefill_s=0.0)
+        trace["kind"] = None
 
     def traced_schedule(*a, **k):
         out = schedule(*a, **k)
+        scheduled = out.num_scheduled_tokens
+        # a decode-only step schedules one token per request; any other carries prompt tokens
+        trace["kind"] = (
+            None if not scheduled else "decode" if out.total_num_scheduled_tokens == len(scheduled) else "prefill"
+        )
+        trace["tokens"] = out.total_num_scheduled_tokens
         running = len(sched.running)
         trace["steps"] += 1
         trace["running_step_sum"] += running
@@ -158,7 +167,18 @@ def trace_scheduler(llm) -> dict:
         trace["preemptions"] += 1
         return preempt(*a, **k)
 
-    sched.schedule, sched._preempt_request = traced_schedule, traced_preempt
+    def traced_step(*a, **k):  # the engine step: schedule, the model's forward, the scheduler's update
+        trace["kind"] = None
+        start = time.perf_counter()
+        out = step_fn(*a, **k)
+        kind = trace["kind"]
+        if kind is not None:
+            trace[f"{kind}_steps"] += 1
+            trace[f"{kind}_tokens"] += trace["tokens"]
+            trace[f"{kind}_s"] += time.perf_counter() - start
+        return out
+
+    sched.schedule, sched._preempt_request, core.step_fn = traced_schedule, traced_preempt, traced_step
     reset()
     trace["reset"] = reset
     return trace
@@ -212,11 +232,12 @@ def worker(job_path: Path) -> None:
     llm.generate(prompts(2), params, use_tqdm=False)  # warm-up
     for n in job["concurrency"]:
         trace["reset"]()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outs = llm.generate(prompts(n), params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         steps = trace["steps"]
+        decode = trace["decode_steps"]
         result["throughput"][str(n)] = {
             "wall_s": round(wall, 2),
             "output_tokens": tokens,
@@ -226,6 +247,16 @@ def worker(job_path: Path) -> None:
             "max_running": trace["max_running"],
             "max_waiting": trace["max_waiting"],
             "preemptions": trace["preemptions"],
+            # CPU seconds of the whole process (every thread): less sensitive than wall time to other load
+            "cpu_s": round(cpu, 2),
+            "cpu_ms_per_output_token": round(1000 * cpu / tokens, 2),
+            "prefill_steps": trace["prefill_steps"],
+            "prefill_tokens": trace["prefill_tokens"],
+            "prefill_s": round(trace["prefill_s"], 2),
+            "decode_steps": decode,
+            "decode_s": round(trace["decode_s"], 2),
+            "decode_mean_batch": round(trace["decode_tokens"] / max(decode, 1), 2),
+            "decode_ms_per_token": round(1000 * trace["decode_s"] / max(trace["decode_tokens"], 1), 2),
         }
     Path(job["result"]).write_text(json.dumps(result))
 
@@ -390,27 +421,33 @@ def markdown(report: dict) -> str:
         "",
         "Every run, in the order run (each a fresh vLLM process; scheduler counts from vLLM's own scheduler):",
         "",
-        "| round | model | concurrency | output tok/s | wall s | scheduler steps | mean / max running | "
-        "max waiting | preemptions | load avg 1 min before / after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| round | model | concurrency | output tok/s | wall s | CPU ms per output token | scheduler steps | "
+        "mean / max running | max waiting | preemptions | prefill steps: tokens, s | decode steps: mean batch, "
+        "s, ms per token | load avg 1 min before / after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         for n in a["concurrency"]:
             t = run["throughput"][str(n)]
             lines.append(
                 f"| {run['round']} | {run['model']} | {n} | {t['tokens_per_s']:.1f} | {t['wall_s']:.1f} | "
-                f"{t['scheduler_steps']} | {t['mean_running']:.1f} / {t['max_running']} | {t['max_waiting']} | "
-                f"{t['preemptions']} | {run['load_avg_1m_before_after'][0]} / {run['load_avg_1m_before_after'][1]} |"
+                f"{t['cpu_ms_per_output_token']:.1f} | {t['scheduler_steps']} | {t['mean_running']:.1f} / "
+                f"{t['max_running']} | {t['max_waiting']} | {t['preemptions']} | {t['prefill_steps']}: "
+                f"{t['prefill_tokens']:,}, {t['prefill_s']:.1f} | {t['decode_steps']}: {t['decode_mean_batch']:.1f}, "
+                f"{t['decode_s']:.1f}, {t['decode_ms_per_token']:.1f} | "
+                f"{run['load_avg_1m_before_after'][0]} / {run['load_avg_1m_before_after'][1]} |"
             )
     lines += [
         "",
-        "| concurrency | source tok/s, each round | MLA tok/s, each round | MLA / source, each round | median |",
-        "|---|---|---|---|---|",
+        "| concurrency | source tok/s, each round | MLA tok/s, each round | MLA / source, each round | median | "
+        "source / MLA CPU time per output token, each round | median |",
+        "|---|---|---|---|---|---|---|",
     ]
     for n, row in report["summary"].items():
         lines.append(
             f"| {n} | {', '.join(f'{x:.1f}' for x in row['source'])} | {', '.join(f'{x:.1f}' for x in row['mla'])} | "
-            f"{', '.join(f'{x:.2f}' for x in row['ratios'])} | **{row['median_ratio']:.2f}** |"
+            f"{', '.join(f'{x:.2f}' for x in row['ratios'])} | **{row['median_ratio']:.2f}** | "
+            f"{', '.join(f'{x:.2f}' for x in row['cpu_ratios'])} | **{row['median_cpu_ratio']:.2f}** |"
         )
     sc, mc = s["scheduler"], m["scheduler"]
     lines += [
@@ -436,7 +473,15 @@ def summarize(runs: list[dict], concurrency: list[int]) -> dict:
     for n in concurrency:
         tps = {k: [r["throughput"][str(n)]["tokens_per_s"] for r in runs if r["model"] == k] for k in ("source", "mla")}
         ratios = [mt / st for st, mt in zip(tps["source"], tps["mla"])]
-        summary[str(n)] = dict(tps, ratios=[round(x, 3) for x in ratios], median_ratio=round(median(ratios), 3))
+        cpu = {k: [r["throughput"][str(n)]["cpu_ms_per_output_token"] for r in runs if r["model"] == k] for k in tps}
+        cpu_ratios = [sc / mc for sc, mc in zip(cpu["source"], cpu["mla"])]  # > 1: MLA spends less CPU a token
+        summary[str(n)] = dict(
+            tps,
+            ratios=[round(x, 3) for x in ratios],
+            median_ratio=round(median(ratios), 3),
+            cpu_ratios=[round(x, 3) for x in cpu_ratios],
+            median_cpu_ratio=round(median(cpu_ratios), 3),
+        )
     return summary
 
 
