@@ -31,13 +31,13 @@ import time
 from pathlib import Path
 
 import torch
+from window_bootstrap import ScoredText
 
 from mlakit.convert.pipeline import ConvertOptions
 from mlakit.convert.run import run_conversion
 from mlakit.convert.run_state import StreamOptions
 from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text
-from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM
 
 # name -> (option overrides, sequential calibration)
@@ -91,25 +91,18 @@ def main():
     t0 = time.time()
 
     source = open_source(args.source)
-    evals = load_texts(source.tokenizer(), args.eval_tokens)
-    windows = {k: sliding_windows(int(ids.numel()), args.seq_len, args.stride) for k, ids in evals.items()}
-    scored = {k: torch.tensor([w.n_scored for w in ws], dtype=torch.float64) for k, ws in windows.items()}
-    gen = torch.Generator().manual_seed(0)
-    resamples = {k: torch.randint(0, len(ws), (args.bootstrap, len(ws)), generator=gen) for k, ws in windows.items()}
+    texts = {k: ScoredText(ids, args.seq_len, args.stride, args.bootstrap)
+             for k, ids in load_texts(source.tokenizer(), args.eval_tokens).items()}
 
     def window_sums(model) -> dict[str, torch.Tensor]:
-        model.eval()
-        return {k: torch.cat([window_nll(model, ids, windows[k][i : i + 4], "cpu")
-                              for i in range(0, len(windows[k]), 4)]) for k, ids in evals.items()}
+        return {k: text.sums(model) for k, text in texts.items()}
 
     def interval(k, diff):
-        if args.bootstrap == 0:
-            return None
-        stats = (diff[resamples[k]].sum(1) / scored[k][resamples[k]].sum(1)).exp()
-        return [round(float(stats.quantile(0.025)), 4), round(float(stats.quantile(0.975)), 4)]
+        ci = texts[k].interval(diff)
+        return None if ci is None else [round(v, 4) for v in ci]
 
     src_sums = window_sums(source.load_model(torch.float32))
-    src_ppl = {k: math.exp(float(s.sum() / scored[k].sum())) for k, s in src_sums.items()}
+    src_ppl = {k: texts[k].ratio(s) for k, s in src_sums.items()}
     print(f"source perplexity: {src_ppl}", flush=True)
 
     results, sums_by = [], {}
@@ -127,11 +120,11 @@ def main():
             row = {"budget": budget, "row": name, "convert_seconds": round(seconds, 1),
                    "ranks": [lay["kv_lora_rank"] for lay in report["layers"]], "texts": {}}
             for k, s in sums.items():
-                ppl = math.exp(float(s.sum() / scored[k].sum()))
+                ppl = texts[k].ratio(s)
                 cell = {"ppl": ppl, "ratio": ppl / src_ppl[k], "ratio_ci95": interval(k, s - src_sums[k])}
                 base = sums_by.get((budget, DEFAULT_ROW))
                 if name != DEFAULT_ROW and base is not None:
-                    cell["vs_default"] = math.exp(float((s - base[k]).sum() / scored[k].sum()))
+                    cell["vs_default"] = texts[k].ratio(s - base[k])
                     cell["vs_default_ci95"] = interval(k, s - base[k])
                 row["texts"][k] = cell
             sums_by[(budget, name)] = sums
@@ -140,7 +133,7 @@ def main():
                 f"{k} {c['ratio']:.3f}" + (f" ({c['vs_default']:.3f}x)" if "vs_default" in c else "")
                 for k, c in row["texts"].items()), flush=True)
 
-    meta = {"source": args.source, "source_ppl": src_ppl, "eval_tokens": {k: int(v.numel()) for k, v in evals.items()},
+    meta = {"source": args.source, "source_ppl": src_ppl, "eval_tokens": {k: int(t.ids.numel()) for k, t in texts.items()},
             "seq_len": args.seq_len, "stride": args.stride, "bootstrap": args.bootstrap,
             "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
             "calib_seq_len": ConvertOptions().calib_seq_len, "seconds": round(time.time() - t0)}

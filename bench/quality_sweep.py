@@ -21,16 +21,16 @@ import time
 from pathlib import Path
 
 import torch
+from window_bootstrap import ScoredText
 
 from mlakit.convert.assemble import mla_config, read_attention
 from mlakit.convert.families import attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.pipeline import ConvertOptions
-from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.convert.rank_plan import FISHER_STEP, budget_rope_dim
 from mlakit.convert.source import open_source
+from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.data import load_text, tokenize_text
-from mlakit.eval.perplexity import sliding_windows, window_nll
 from mlakit.mla_model import MLAForCausalLM
 
 ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope, fisher step)
@@ -83,25 +83,11 @@ def main():
     tokenizer = source.tokenizer()
     ids = tokenize_text(tokenizer, load_text(args.eval_data, "eval"))[: args.eval_tokens]
 
-    windows = sliding_windows(int(ids.numel()), args.seq_len, args.stride)
-    scored = torch.tensor([w.n_scored for w in windows], dtype=torch.float64)
-
-    def window_sums(model):  # summed NLL of each window's scored tokens
-        model.eval()
-        return torch.cat([window_nll(model, ids, windows[i : i + 4], "cpu") for i in range(0, len(windows), 4)])
-
-    gen = torch.Generator().manual_seed(0)
-    resamples = torch.randint(0, len(windows), (args.bootstrap, len(windows)), generator=gen)
-
-    def interval(diff):
-        """95% bootstrap interval (over windows) of the ratio exp(sum diff / scored tokens)."""
-        if args.bootstrap == 0:
-            return None
-        stats = (diff[resamples].sum(1) / scored[resamples].sum(1)).exp()
-        return [float(stats.quantile(0.025)), float(stats.quantile(0.975))]
+    text = ScoredText(ids, args.seq_len, args.stride, args.bootstrap)
+    window_sums, interval = text.sums, text.interval
 
     src_sums = window_sums(source.load_model(torch.float32))
-    base = math.exp(float(src_sums.sum() / scored.sum()))
+    base = text.ratio(src_sums)
     print(f"source perplexity {base:.4f} on {ids.numel()} tokens", flush=True)
     opts = ConvertOptions(calib="builtin", calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
                           kv_budget=1.0, allocation="fisher", quiet=True)  # also measures the sensitivities
@@ -126,14 +112,14 @@ def main():
             t = time.time()
             layers, _ = build_layers(ws, ms, shape, o, fisher_step=step or FISHER_STEP)
             sums = window_sums(build_model(source, shape, layers))
-            p = math.exp(float(sums.sum() / scored.sum()))
+            p = text.ratio(sums)
             row = {"budget": frac, "values_per_token_per_layer": per_layer, "kv_reduction": round(1 - frac, 4),
                    "method": name, "rope_dim": d_r, "ranks": [lay.kv_lora_rank for lay in layers],
                    "ppl": p, "ppl_ratio": p / base, "ratio_ci95": interval(sums - src_sums),
                    "seconds": round(time.time() - t, 1)}
             if name != DEFAULT_ROW and DEFAULT_ROW in sum_by_row.get(frac, {}):
                 # paired over the same windows: this row's perplexity / the default row's
-                row["vs_default"] = p / math.exp(float(sum_by_row[frac][DEFAULT_ROW].sum() / scored.sum()))
+                row["vs_default"] = p / text.ratio(sum_by_row[frac][DEFAULT_ROW])
                 row["vs_default_ci95"] = interval(sums - sum_by_row[frac][DEFAULT_ROW])
             sum_by_row.setdefault(frac, {})[name] = sums
             results.append(row)
@@ -165,7 +151,7 @@ def main():
                                   f"stride {args.stride}. "
                                   f"In parentheses: perplexity relative to the default row on the same windows, "
                                   f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
-                                  f"{len(windows)} windows.\n\n"
+                                  f"{len(text.windows)} windows.\n\n"
                                   f"{table}\n")
     print(table)
     try:
