@@ -19,8 +19,8 @@ Loss: the relative squared error of the layer's update, sum ||f(x) - y||^2 / sum
 
 Steps: first the least-squares refit of ``o_proj`` given the converted path's attention outputs
 (``attention`` loss only; its ridge chosen by two-fold cross-validation over the calibration
-sequences, and skipped when no ridge beats the closed form on held-out sequences), then Adam with a cosine-decayed step size. Adam moves every element
-by about its step size per step, so each tensor's step size is ``lr`` times its RMS: a relative
+sequences, and skipped when no ridge beats the closed form on held-out sequences), then Adam with
+a cosine-decayed step size. Adam moves every element by about its step size per step, so each tensor's step size is ``lr`` times its RMS: a relative
 change of the weights, the same for any model's weight scale. The loss is evaluated before and
 after on the same calibration sequences and the best of the start, the refit and the Adam result
 is kept: refinement never returns weights with a higher calibration loss than it was given.
