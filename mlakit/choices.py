@@ -7,6 +7,7 @@ __all__ = [
     "ALLOCATIONS",
     "BIAS_POLICIES",
     "DTYPE_NAMES",
+    "HEAL_TRAIN_CHOICES",
     "LOWRANK_METHODS",
     "MIN_CALIB_SEQ_LEN",
     "MIXINGS",
@@ -27,6 +28,7 @@ BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handl
 ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)
 TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.engine_target)
 REFINE_MODES = ("none", "layer")  # after the closed form: nothing, or convert.refine on every layer
+HEAL_TRAIN_CHOICES = ("attention", "all")  # what `heal --train` trains (heal.schedule.select_trainable)
 
 # The rotary selection weighs each component by its attention at every query-key distance
 # (``calibration``'s lag profile, weighted by 1 - cos(theta * lag)); a 1-token sequence has only

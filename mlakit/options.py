@@ -8,15 +8,15 @@
 - recipes: a recipe is these fields serialised (``mlakit.recipes.Recipe``).
 
 A bad value is an ``OptionsError`` naming the field, its flag and the allowed values, raised when
-the options are made: before a source is opened. Torch-free, so ``mla-convert --help`` stays fast.
+the options are made: before a source is opened (``option_schema.py``: the machinery every options
+model shares; ``export_options.py``: the export's). Torch-free, so ``mla-convert --help`` stays fast.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Annotated, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
 from .choices import (
@@ -30,8 +30,9 @@ from .choices import (
     STOCK_ROPE_METHODS,
     TARGETS,
 )
+from .option_schema import OptionsError, strict_init
 
-__all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError", "field_flag", "format_errors"]
+__all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError"]
 
 # Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
 RECIPE_FIELDS = (
@@ -44,15 +45,6 @@ _RUN = {"recipe": False}  # json_schema_extra of the fields not in RECIPE_FIELDS
 _NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--quiet
 
 
-class OptionsError(ValueError):
-    """An option value is out of range or contradicts another; the message names field, flag and fix."""
-
-
-def field_flag(name: str) -> str:
-    """The CLI flag of field NAME: ``calib_seq_len`` -> ``--calib-seq-len`` (``verify`` -> ``--no-verify``)."""
-    return "--no-verify" if name == "verify" else "--" + name.replace("_", "-")
-
-
 Rank = Annotated[int, Field(ge=1)] | Literal["full"]
 RopeDim = Annotated[int, Field(ge=0)] | Literal["full"]
 
@@ -60,9 +52,19 @@ RopeDim = Annotated[int, Field(ge=0)] | Literal["full"]
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class ConvertOptions:
     kv_lora_rank: Annotated[
-        Rank, Field(description="Latent rank r of every layer, or 'full' (lossless).")
+        Rank,
+        Field(
+            description="Latent rank r of every layer, or 'full' (lossless).",
+            json_schema_extra={"accepts": "must be 'full' or an integer >= 1"},
+        ),
     ] = "full"
-    rope_dim: Annotated[RopeDim, Field(description="Shared rotary key dims d_R (even), or 'full'.")] = "full"
+    rope_dim: Annotated[
+        RopeDim,
+        Field(
+            description="Shared rotary key dims d_R (even), or 'full'.",
+            json_schema_extra={"accepts": "must be 'full' or an even integer >= 0"},
+        ),
+    ] = "full"
     kv_budget: Annotated[
         float | None,
         Field(
@@ -70,6 +72,7 @@ class ConvertOptions:
             le=1,
             description="Fraction of the source's cached values per token (e.g. 0.3125 = 68.75% reduction), "
             "allocated across layers; replaces --kv-lora-rank (--rope-dim, if given, fixes the rotary dims).",
+            json_schema_extra={"accepts": "must be a fraction in (0, 1] (or unset)"},
         ),
     ] = None
     allocation: Annotated[
@@ -132,9 +135,14 @@ class ConvertOptions:
         ),
     ] = "none"
     refine_epochs: Annotated[
-        float, Field(ge=0, le=1000, description="Adam passes over the refinement sequences; 0 = the o_proj refit only.")
+        float,
+        Field(
+            ge=0, le=1000, description="Adam passes over the refinement sequences; 0 = the o_proj refit only."
+        ),
     ] = 0.0
-    refine_lr: Annotated[float, Field(gt=0, lt=1, description="Adam step size relative to each weight's RMS.")] = 1e-3
+    refine_lr: Annotated[
+        float, Field(gt=0, lt=1, description="Adam step size relative to each weight's RMS.")
+    ] = 1e-3
     refine_batch: Annotated[int, Field(ge=1, description="Sequences per Adam step.")] = 4
     refine_sequences: Annotated[
         int | None, Field(ge=1, description="Calibration sequences refined on (the first ones; unset: all).")
@@ -162,7 +170,7 @@ class ConvertOptions:
             pattern=r"^(cpu|auto|cuda(:\d+)?)$",
             description="cpu, cuda, cuda:N or auto (cuda when visible): where calibration, the per-layer math "
             "and verification run.",
-            json_schema_extra=_RUN,
+            json_schema_extra=_RUN | {"accepts": "must be one of cpu, cuda, cuda:N, auto"},
         ),
     ] = "cpu"
     seed: Annotated[
@@ -206,86 +214,5 @@ assert set(RECIPE_FIELDS) == {
     n for n, f in _FIELDS.items() if (f.json_schema_extra or {}).get("recipe", True)
 }
 
-
-def _describe(error: dict) -> str:
-    """One pydantic error as 'must be ...' text."""
-    kind, ctx = error["type"], error.get("ctx") or {}
-    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-        sign = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[
-            kind
-        ]
-        return f"must be {sign} {next(iter(ctx.values()))}"
-    if kind == "literal_error":
-        return f"must be one of {ctx['expected']}"
-    if kind == "string_pattern_mismatch":
-        return f"must match {ctx['pattern']}"
-    msg = str(error["msg"]).removeprefix("Value error, ")
-    return msg[:1].lower() + msg[1:]
-
-
-def _allowed(name: str, errors: list[dict]) -> str:
-    """What field NAME accepts; a union field (rank or 'full') gets one sentence, not one per member."""
-    if name == "kv_lora_rank":
-        return "must be 'full' or an integer >= 1"
-    if name == "rope_dim":
-        return "must be 'full' or an even integer >= 0"
-    if name == "kv_budget":
-        return "must be a fraction in (0, 1] (or unset)"
-    if name == "device" and errors[0]["type"] == "string_pattern_mismatch":
-        return "must be one of cpu, cuda, cuda:N, auto"
-    return _describe(errors[0])
-
-
-def format_errors(exc: ValidationError, prefix: tuple = (), aliases: dict | None = None) -> list[str]:
-    """Lines naming each bad option: field, flag, what it accepts and the value given.
-
-    PREFIX: the location of the options inside a larger model (a recipe's ``("options",)``: its keys
-    are named first; otherwise the flags are);
-    ALIASES: field -> the key the user wrote (a legacy recipe's ``method.rope``)."""
-    by_field: dict[str, list[dict]] = {}
-    other = []
-    for error in exc.errors():
-        loc = tuple(error["loc"])
-        if loc[: len(prefix)] == prefix and len(loc) > len(prefix) and loc[len(prefix)] in _FIELDS:
-            by_field.setdefault(loc[len(prefix)], []).append(error)
-        else:
-            other.append(error)
-    lines = []
-    for name, errors in by_field.items():
-        given = errors[0].get("input")
-        flag = field_flag(name) if _FIELDS[name].json_schema_extra != _NO_FLAG else None
-        if prefix:  # a recipe: its key first, then the field it maps to and the flag
-            key = aliases.get(name, name) if aliases else name
-            head = f"{key} ({', '.join(n for n in (name if key != name else None, flag) if n)})"
-        else:  # Python or CLI: the flag first
-            head = f"{flag} ({name})" if flag else name
-        lines.append(f"{head} {_allowed(name, errors)}; got {given!r}")
-    for error in other:
-        loc = ".".join(
-            map(
-                str,
-                error["loc"][len(prefix) :] if tuple(error["loc"][: len(prefix)]) == prefix else error["loc"],
-            )
-        )
-        if error["type"] == "unexpected_keyword_argument" or error["type"] == "extra_forbidden":
-            lines.append(f"unknown option {loc!r}")
-        else:
-            lines.append(f"{loc + ': ' if loc else ''}{_describe(error)}")
-    return lines
-
-
-_validated_init = ConvertOptions.__init__
-
-
-def _init(self, *args, **kwargs):
-    try:
-        _validated_init(self, *args, **kwargs)
-    except ValidationError as exc:
-        names = ", ".join(f.name for f in fields(ConvertOptions))
-        raise OptionsError(
-            "invalid conversion options:\n  " + "\n  ".join(format_errors(exc)) + f"\noptions: {names}"
-        ) from None
-
-
 # Python callers (and dataclasses.replace) get an OptionsError that names the flag, not pydantic's text.
-ConvertOptions.__init__ = _init
+strict_init(ConvertOptions, "conversion")

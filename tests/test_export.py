@@ -26,6 +26,7 @@ from mlakit.export.deepseek_v3 import (
     stock_rope_stride,
     uniform,
 )
+from mlakit.options import OptionsError
 from tests.tiny_models import BLOCK_MLAKIT, assert_close, build_tiny
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
@@ -303,12 +304,14 @@ def test_biases_refused_by_default_and_drop_is_lossy_but_loads(natives, tmp_path
     cfg = json.loads((tmp_path / "drop" / "config.json").read_text())
     assert cfg["attention_bias"] is False and cfg["q_lora_rank"] is None
     DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "drop"))
-    with pytest.raises(ExportError, match="refuse, drop, hf-exact"):
+    with pytest.raises(
+        OptionsError, match=r"--biases \(biases\) must be one of 'refuse', 'drop' or 'hf-exact'"
+    ):
         export(natives["qwen2"], tmp_path / "y", ExportOptions(biases="keep"))
 
 
 def test_fp16_is_refused(natives, tmp_path):
-    with pytest.raises(ExportError, match="--dtype bfloat16 or --dtype float32"):
+    with pytest.raises(OptionsError, match="--dtype bfloat16 or --dtype float32"):  # refused when made
         export(natives["scored"], tmp_path / "x", ExportOptions(dtype="float16"))
     with pytest.raises(ExportError, match="--dtype bfloat16 or --dtype float32"):
         export(natives["fp16"], tmp_path / "y")  # auto keeps the native float16
@@ -324,7 +327,7 @@ def test_sliding_window_is_refused_without_clip_context(natives, tmp_path):
 def test_non_native_input_and_unknown_format_are_refused(natives, tmp_path):
     with pytest.raises(ExportError, match="not a native mlakit checkpoint"):
         export(natives["window_src"], tmp_path / "x")
-    with pytest.raises(ExportError, match="deepseek-v3"):
+    with pytest.raises(OptionsError, match=r"--format \(format\) must be one of 'deepseek-v3'; got 'gguf'"):
         export(natives["window"], tmp_path / "y", ExportOptions(format="gguf"))
 
 

@@ -9,6 +9,7 @@ import os
 import subprocess
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.export import ExportError, ExportOptions, convert_to_format, export
 from mlakit.export.deepseek_v3 import noop_yarn
 from mlakit.export.engine_rules import check_source_for_export, vllm_problems
+from mlakit.options import OptionsError
 from tests.tiny_models import BLOCK_MLAKIT, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,7 +208,9 @@ def test_scaled_rope_is_refused_naming_vllm_and_the_alternatives(natives, tmp_pa
         "vllm serve OUT",
     ):
         assert part in text, (part, text)
-    with pytest.raises(ExportError, match="--rope-scaling 'keep' is not one of refuse, hf-exact"):
+    with pytest.raises(
+        OptionsError, match=r"--rope-scaling \(rope_scaling\) must be one of 'refuse' or 'hf-exact'"
+    ):
         export(natives["llama3_scaled"], tmp_path / "y", ExportOptions(rope_scaling="keep"))
     assert not list(tmp_path.iterdir())
 
@@ -226,13 +230,18 @@ def test_transformers_only_options_contradict_target_vllm():
     shape = {"qkv_bias": True, "o_bias": False, "window": None}
     config = type("Cfg", (), {"rope_parameters": {"rope_type": "default"}, "max_position_embeddings": 4096})()
     check_source_for_export(config, shape, ExportOptions(biases="hf-exact"))  # fine without a target
+    # the contradiction is refused when the options are made, before any source is read
+    with pytest.raises(OptionsError, match=r"--biases hf-exact and --target vllm contradict .*--biases drop"):
+        ExportOptions(biases="hf-exact", target="vllm")
+    with pytest.raises(OptionsError, match=r"--rope-scaling hf-exact and --target vllm contradict"):
+        ExportOptions(rope_scaling="hf-exact", target="vllm")
+    # and the source check still refuses what vLLM would misread, for options built without the model
+    duck = SimpleNamespace(target="vllm", biases="hf-exact", rope_scaling="hf-exact", clip_context=False)
     with pytest.raises(ExportError, match=r"--target vllm, but .*attention biases \(--biases hf-exact\)"):
-        check_source_for_export(config, shape, ExportOptions(biases="hf-exact", target="vllm"))
+        check_source_for_export(config, shape, duck)
     config.rope_parameters = {"rope_type": "llama3"}
     with pytest.raises(ExportError, match=r"--target vllm, but .*rope_type 'llama3'"):
-        check_source_for_export(
-            config, {**shape, "qkv_bias": False}, ExportOptions(rope_scaling="hf-exact", target="vllm")
-        )
+        check_source_for_export(config, {**shape, "qkv_bias": False}, duck)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import click
 
 from ..options import RECIPE_FIELDS
 from .common import byte_size_type, user_errors, verbosity_options
-from .export_cmd import export_options
+from .export_cmd import export_flags
 from .option_flags import given_options, option_flags
 
 __all__ = ["convert_command"]
@@ -18,23 +18,43 @@ __all__ = ["convert_command"]
 @click.command("convert")
 @click.argument("src")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--recipe", help="Built-in recipe name or YAML file; the conversion flags given override its fields.")
+@click.option(
+    "--recipe", help="Built-in recipe name or YAML file; the conversion flags given override its fields."
+)
 @option_flags()
-@click.option("--pipeline", type=click.Choice(["auto", "streaming", "in-memory"]), default="auto", show_default=True,
-              help="streaming: layer by layer, memory set by one layer, resumable (safetensors directories); "
-                   "in-memory: load the whole model. auto streams safetensors directories and loads GGUF/pickles.")
-@click.option("--resume", is_flag=True,
-              help="Streaming: continue the conversion an interrupted run left in .OUT.partial-streaming.")
-@click.option("--max-memory", type=byte_size_type,
-              help="Streaming: host RAM budget (e.g. 4GB, 3.5GiB); picks the calibration batch that fits, or "
-                   "fails early naming what to change.")
-@click.option("--format", "fmt", type=click.Choice(["native", "deepseek-v3"]), default="native", show_default=True,
-              help="native: mlakit's MLA model; deepseek-v3: also export it to stock DeepseekV3ForCausalLM at OUT.")
-@export_options
+@click.option(
+    "--pipeline",
+    type=click.Choice(["auto", "streaming", "in-memory"]),
+    default="auto",
+    show_default=True,
+    help="streaming: layer by layer, memory set by one layer, resumable (safetensors directories); "
+    "in-memory: load the whole model. auto streams safetensors directories and loads GGUF/pickles.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Streaming: continue the conversion an interrupted run left in .OUT.partial-streaming.",
+)
+@click.option(
+    "--max-memory",
+    type=byte_size_type,
+    help="Streaming: host RAM budget (e.g. 4GB, 3.5GiB); picks the calibration batch that fits, or "
+    "fails early naming what to change.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["native", "deepseek-v3"]),
+    default="native",
+    show_default=True,
+    help="native: mlakit's MLA model; deepseek-v3: also export it to stock DeepseekV3ForCausalLM at OUT.",
+)
+@export_flags
 @verbosity_options
 @user_errors
-def convert_command(src, out, recipe, quiet, fmt, biases, rope_scaling, clip_context, pipeline, resume, max_memory,
-                    **flags):
+def convert_command(
+    src, out, recipe, quiet, fmt, biases, rope_scaling, clip_context, pipeline, resume, max_memory, **flags
+):
     """Convert SRC (model directory, .gguf file, hub id, or 'default') into an MLA checkpoint at OUT."""
     # torch-free: a bad recipe or value is refused before torch loads
     from ..recipes import Recipe, RecipeError
@@ -47,9 +67,22 @@ def convert_command(src, out, recipe, quiet, fmt, biases, rope_scaling, clip_con
     if ("kv_lora_rank" in overrides or "rope_dim" in overrides) and "kv_budget" not in overrides:
         overrides["kv_budget"] = None  # explicit shapes replace a recipe's budget
     if "kv_budget" in overrides and "kv_lora_rank" not in overrides:
-        overrides["kv_lora_rank"] = "full"  # and an explicit budget a recipe's rank (a given --rope-dim stays)
+        # and an explicit budget a recipe's rank (a given --rope-dim stays)
+        overrides["kv_lora_rank"] = "full"
     run = {k: v for k, v in flags.items() if k not in RECIPE_FIELDS}  # device, seed, overwrite, verify
-    opts = base.to_options(**run, quiet=quiet, **overrides)  # every value checked (OptionsError names the flag)
+    # every value checked (OptionsError names the flag)
+    opts = base.to_options(**run, quiet=quiet, **overrides)
+    if fmt == "deepseek-v3":  # the export's values too, against the conversion's target
+        from ..export_options import ExportOptions
+
+        export_opts = ExportOptions(
+            biases=biases,
+            rope_scaling=rope_scaling,
+            clip_context=clip_context,
+            target=opts.target,
+            overwrite=opts.overwrite,
+            verify=opts.verify,
+        )
     # imported here, not at the top: --help and usage errors answer without torch
     from ..convert.engine_target import fit_target
     from ..convert.pipeline import StreamOptions, resolve_device, run_conversion
@@ -57,20 +90,19 @@ def convert_command(src, out, recipe, quiet, fmt, biases, rope_scaling, clip_con
     opts = replace(opts, device=resolve_device(opts.device))
     # a recipe's values that the target or the export cannot hold are replaced (logged), explicit flags refused
     opts = fit_target(opts, explicit=overrides, stock_export=fmt == "deepseek-v3")
-    overwrite, verify = opts.overwrite, opts.verify
     named = base.model_copy(update={"name": base.name or recipe})
     if fmt == "native":
         stream = StreamOptions(resume=resume, max_memory=max_memory)
         report = run_conversion(src, out, opts, pipeline, stream, recipe=named)
     elif pipeline == "streaming" or resume or max_memory is not None:
-        raise click.UsageError(f"--format {fmt} converts in memory before exporting; --pipeline streaming, --resume "
-                               f"and --max-memory apply to --format native only")
+        raise click.UsageError(
+            f"--format {fmt} converts in memory before exporting; --pipeline streaming, --resume "
+            f"and --max-memory apply to --format native only"
+        )
     else:  # convert into a temporary native checkpoint, export it to OUT
-        from ..export import ExportOptions, convert_to_format
+        from ..export import convert_to_format
 
-        report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=ExportOptions(
-            biases=biases, rope_scaling=rope_scaling, clip_context=clip_context, overwrite=overwrite,
-            verify=verify))
+        report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=export_opts)
     per_layer = report["kv_values_per_token"] / len(report["layers"])
     summary = {
         "output": str(out),

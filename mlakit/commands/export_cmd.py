@@ -1,4 +1,4 @@
-"""`mla-convert export OUT DEST --format deepseek-v3`."""
+"""`mla-convert export OUT DEST --format deepseek-v3`: flags generated from ``ExportOptions``."""
 
 from __future__ import annotations
 
@@ -6,98 +6,35 @@ import json
 
 import click
 
-from ..choices import BIAS_POLICIES, ROPE_SCALING_POLICIES, TARGETS
+from ..export_options import ExportOptions
 from .common import user_errors, verbosity_options
+from .option_flags import option_flags
 
-__all__ = ["export_command", "export_options"]
+__all__ = ["export_command", "export_flags"]
 
-
-def export_options(fn):
-    """Options shared by `export` and `convert --format deepseek-v3`."""
-    for option in reversed(
-        (
-            click.option(
-                "--biases",
-                type=click.Choice(BIAS_POLICIES),
-                default="refuse",
-                show_default=True,
-                help="Attention biases (Qwen2): refuse; drop them (lossy everywhere); or hf-exact (exact in "
-                "transformers only: vLLM's DeepSeek model drops them without an error).",
-            ),
-            click.option(
-                "--rope-scaling",
-                type=click.Choice(ROPE_SCALING_POLICIES),
-                default="refuse",
-                show_default=True,
-                help="A scaled rope (llama3, linear): refuse it (vLLM's DeepSeek model rewrites it to "
-                "DeepSeek-YaRN, wrong logits), or hf-exact (exact in transformers only; export.json and "
-                "README.md say vLLM misreads it).",
-            ),
-            click.option(
-                "--clip-context",
-                is_flag=True,
-                help="Sliding-window models: set max_position_embeddings to the window, the length up "
-                "to which the window-less export is exact.",
-            ),
-        )
-    ):
-        fn = option(fn)
-    return fn
+# The export policies `convert --format deepseek-v3` takes too (its dtype, target, overwrite and
+# verify flags are the conversion's, passed on to the export).
+export_flags = option_flags("biases", "rope_scaling", "clip_context", model=ExportOptions)
 
 
 @click.command("export")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["deepseek-v3"]),
-    default="deepseek-v3",
-    show_default=True,
-    help="Target format: stock transformers DeepseekV3ForCausalLM (served by vLLM and SGLang).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default="auto",
-    show_default=True,
-    help="Export dtype; auto keeps OUT's. float16 is refused (see --help of the format).",
-)
-@export_options
-@click.option(
-    "--target",
-    type=click.Choice(TARGETS),
-    default="any",
-    show_default=True,
-    help="vllm: refuse an export vLLM would refuse or misread (shapes other than 512 + 64, transformers-only "
-    "options). any: write it and record in export.json what vLLM would make of it.",
-)
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it is an earlier mlakit output or empty.")
-@click.option("--no-verify", is_flag=True, help="Skip comparing the export's logits with OUT's.")
+@option_flags(model=ExportOptions)
 @verbosity_options
 @user_errors
-def export_command(
-    out, dest, fmt, dtype, biases, rope_scaling, clip_context, target, overwrite, no_verify, quiet
-):
+def export_command(out, dest, quiet, **flags):
     """Export the native mlakit checkpoint OUT (written by `mla-convert convert`) to DEST in another format."""
-    from ..export import ExportOptions, export
+    opts = ExportOptions(**flags)  # every value and rule checked before OUT is read
+    # imported here, not at the top: --help and usage errors answer without torch
+    from ..export import export
 
-    opts = ExportOptions(
-        format=fmt,
-        dtype=dtype,
-        biases=biases,
-        rope_scaling=rope_scaling,
-        target=target,
-        clip_context=clip_context,
-        overwrite=overwrite,
-        verify=not no_verify,
-    )
     report = export(out, dest, opts)
     click.echo(
         json.dumps(
             {
                 "output": str(dest),
-                "format": fmt,
+                "format": opts.format,
                 "checks": report["checks"],
                 "engines": report["engines"],
                 "verify": report.get("verify"),

@@ -1,4 +1,5 @@
-"""``mla-convert heal OUT --teacher SRC DEST``: distillation from the original model."""
+"""``mla-convert heal OUT --teacher SRC DEST``: distillation from the original model; flags generated
+from ``HealOptions``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 
 import click
 
+from ..heal_options import HealOptions
 from .common import quiet_transformers, user_errors, verbosity_options
+from .option_flags import option_flags
 
 __all__ = ["heal_command"]
 
@@ -16,108 +19,7 @@ __all__ = ["heal_command"]
 @click.command("heal")
 @click.argument("out", type=click.Path(exists=True, file_okay=False))
 @click.argument("dest", type=click.Path(file_okay=False))
-@click.option(
-    "--teacher",
-    required=True,
-    metavar="SRC",
-    help="The original model OUT was converted from: HF directory, hub id, .gguf file, or 'default'.",
-)
-@click.option(
-    "--data",
-    default="builtin",
-    show_default=True,
-    metavar="SPEC",
-    help="Training text: 'builtin' (its calibration part, never the evaluation part), a local text "
-    "file, hf:NAME[:CONFIG[:SPLIT]] (streamed; split defaults to train), or 'random' "
-    "(random token ids, for smoke tests).",
-)
-@click.option(
-    "--tokens",
-    type=click.IntRange(min=1),
-    default=200_000,
-    show_default=True,
-    help="Training tokens (rounded down to whole optimizer steps).",
-)
-@click.option(
-    "--seq-len",
-    type=click.IntRange(min=2),
-    default=256,
-    show_default=True,
-    help="Tokens per packed training sequence.",
-)
-@click.option(
-    "--lr",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1e-4,
-    show_default=True,
-    help="Peak AdamW learning rate.",
-)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Sequences per micro-batch on each process.",
-)
-@click.option(
-    "--grad-accum",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Micro-batches per optimizer step.",
-)
-@click.option(
-    "--train",
-    type=click.Choice(["attention", "all"]),
-    default="attention",
-    show_default=True,
-    help="Parameters to train: the MLA attention projections (q_proj, kv_a_proj_with_mqa, kv_b_proj, "
-    "o_proj, with biases) or every parameter.",
-)
-@click.option(
-    "--save-every",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Checkpoint every N optimizer steps into the work dir (0: never).",
-)
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in the work dir.")
-@click.option(
-    "--work-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Checkpoint folder  [default: DEST.heal-work beside DEST; removed when DEST is written].",
-)
-@click.option(
-    "--temperature",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Distillation temperature T (KL on softmax(z/T), scaled by T^2).",
-)
-@click.option(
-    "--lm-weight",
-    type=click.FloatRange(min=0),
-    default=0.0,
-    show_default=True,
-    help="Weight of the next-token cross-entropy added to the KL.",
-)
-@click.option(
-    "--warmup",
-    type=click.IntRange(min=0),
-    default=None,
-    help="Linear warmup steps before the cosine decay  [default: 5% of the steps].",
-)
-@click.option(
-    "--max-grad-norm",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Gradient clipping norm.",
-)
-@click.option("--weight-decay", type=click.FloatRange(min=0), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds data order and every RNG.")
-@click.option("--overwrite", is_flag=True, help="Replace DEST if it is an earlier mlakit output or empty.")
+@option_flags(model=HealOptions)
 @verbosity_options
 @user_errors
 def heal_command(out, dest, quiet, **flags):
@@ -127,12 +29,13 @@ def heal_command(out, dest, quiet, **flags):
     --multi_gpu --num_processes N` / `torchrun --nproc-per-node N` for N processes (DDP; on CPU
     over gloo), or with an accelerate config for FSDP/DeepSpeed on GPUs. DEST is written atomically in the
     same format as OUT, with the heal settings and held-out losses in conversion.json."""
+    opts = HealOptions(quiet=quiet, **flags)  # every value checked before a model or the data is opened
+    # imported here, not at the top: --help and usage errors answer without torch
     from mlakit.data import DataSpecError
-    from mlakit.heal import HealOptions, heal
+    from mlakit.heal import heal
 
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-file checkpoint messages
-    opts = HealOptions(quiet=quiet, **flags)
     with quiet_transformers(quiet):
         try:
             report = heal(out, dest, opts)

@@ -1,8 +1,11 @@
-"""Click flags generated from ``mlakit.options.ConvertOptions``: one declaration, every command.
+"""Click flags generated from an options model (``ConvertOptions``, ``ExportOptions``, ``HealOptions``):
+one declaration, every command.
 
-Each field becomes ``--field-name`` with the field's type, default, choices, range and help;
-``verify`` becomes ``--verify/--no-verify``. ``given_options`` tells which of them the user typed,
-so that a recipe's value is replaced only by a flag given on the command line.
+Each field becomes ``--field-name`` with the field's type, default, choices, range and help; a switch
+that is on by default becomes ``--name/--no-name`` (``verify``), a field without a default a required
+flag. ``given_options`` tells which of them the user typed, so that a recipe's value is replaced only
+by a flag given on the command line. The command builds the model from the flags it receives, which
+checks every cross-field rule before anything is read.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import annotated_types
 import click
 from click.core import ParameterSource
 
-from ..options import ConvertOptions, field_flag
+from ..option_schema import field_flag, flag_fields
+from ..options import ConvertOptions
 from .common import rank_option_type
 
 __all__ = ["FLAG_FIELDS", "given_options", "option_flags"]
 
-_FIELDS = ConvertOptions.__pydantic_fields__
-FLAG_FIELDS = tuple(n for n, f in _FIELDS.items() if "flag" not in (f.json_schema_extra or {}))
+FLAG_FIELDS = flag_fields(ConvertOptions)
 
 
 def _bounds(metadata) -> dict:
@@ -39,7 +42,7 @@ def _click_type(annotation, metadata):
         return click.Choice(args)
     if origin in (typing.Union, types.UnionType):
         if typing.Literal["full"] in args:
-            return rank_option_type  # bounds and evenness are checked by ConvertOptions
+            return rank_option_type  # bounds and evenness are checked by the model
         (annotation,) = [a for a in args if a is not type(None)]  # optional: None is the default, not a value
     bounds = _bounds(metadata)
     if annotation is int:
@@ -54,41 +57,44 @@ def _click_type(annotation, metadata):
     return None
 
 
-def _option(name: str, help_text: str | None = None):
-    info = _FIELDS[name]
+def _option(model, name: str, help_text: str | None = None):
+    info = model.__pydantic_fields__[name]
+    flag, extra = field_flag(model, name), info.json_schema_extra or {}
     help_text = help_text or info.description
     if info.annotation is bool:
         if info.default:
             return click.option(
-                f"--{name.replace('_', '-')}/{field_flag(name)}",
-                name,
-                default=True,
-                show_default=True,
-                help=help_text,
+                f"--{name.replace('_', '-')}/{flag}", name, default=True, show_default=True, help=help_text
             )
-        return click.option(field_flag(name), name, is_flag=True, default=False, help=help_text)
-    kind = _click_type(info.annotation, info.metadata)
+        return click.option(flag, name, is_flag=True, default=False, help=help_text)
+    if info.is_required():
+        return click.option(
+            flag, name, required=True, type=_click_type(info.annotation, info.metadata),
+            metavar=extra.get("metavar"), help=help_text,
+        )  # fmt: skip
     return click.option(
-        field_flag(name),
+        flag,
         name,
-        type=kind,
+        type=_click_type(info.annotation, info.metadata),
         default=info.default,
         show_default=info.default is not None,
+        metavar=extra.get("metavar"),
         help=help_text,
     )
 
 
-def option_flags(*names: str, help: dict[str, str] | None = None):  # noqa: A002 (click's word)
-    """Decorator adding the flags of the ConvertOptions fields NAMES (all of FLAG_FIELDS when empty),
-    in field order; the command receives each as a keyword named like the field. HELP: field -> the
-    help text for a command that uses the option differently (inspect's --kv-budget only shows a plan)."""
-    names = names or FLAG_FIELDS
-    unknown = set(names) - set(FLAG_FIELDS)
-    assert not unknown, f"not ConvertOptions fields with a flag: {sorted(unknown)}"
+def option_flags(*names: str, model=ConvertOptions, help: dict[str, str] | None = None):  # noqa: A002 (click's word)
+    """Decorator adding the flags of MODEL's fields NAMES (all its fields with a flag when empty), in
+    field order; the command receives each as a keyword named like the field. HELP: field -> the help
+    text for a command that uses the option differently (inspect's --kv-budget only shows a plan)."""
+    flagged = flag_fields(model)
+    names = names or flagged
+    unknown = set(names) - set(flagged)
+    assert not unknown, f"not {model.__name__} fields with a flag: {sorted(unknown)}"
 
     def decorate(fn):
-        for name in reversed([n for n in FLAG_FIELDS if n in names]):
-            fn = _option(name, (help or {}).get(name))(fn)
+        for name in reversed([n for n in flagged if n in names]):
+            fn = _option(model, name, (help or {}).get(name))(fn)
         return fn
 
     return decorate

@@ -3,7 +3,8 @@
 For every layer we keep
 - ``sigma``  E[x~ x~^T] of the attention input x~ = [x; 1] (float64, (D+1) x (D+1)): every K, V
   and Q second moment the conversion needs is a linear image of it. Each batch's product is taken
-  in float32 over at most ``_MOMENT_ROWS`` tokens (2.5x faster than float64 on a CPU) and summed
+  in float32 over at most ``_MOMENT_ROWS`` tokens (faster than float64 on a CPU; the calibration's
+  time is the "calibrate" phase of bench/convert_cost.py, results in bench/results/) and summed
   in float64: every entry keeps a relative error near 1e-6 of the sum of its terms' magnitudes,
   far below the calibration set's own sampling error;
 - ``lag_p2`` (H, L) E[p_{t, t-lag}^2] summed over keys at each lag: where each head looks and how

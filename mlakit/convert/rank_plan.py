@@ -11,8 +11,8 @@ put on one scale before they are traded:
   minimises the summed KL, then takes a damped step (``FISHER_STEP``) from uniform ranks toward
   that optimum (``damped_ranks`` says why).
 - ``planned``: the sum of *log* errors, which no per-layer scale can distort: a cached value goes
-  where it cuts a layer's error by the largest factor. It loses to uniform ranks at 50%, 68.75%
-  and 87.5% reduction on SmolLM2-135M.
+  where it cuts a layer's error by the largest factor. It loses to uniform ranks
+  (bench/quality_sweep.py; results in bench/results/quality_sweep/).
 - ``uniform``: the same rank in every layer; what the streaming pipeline uses by default, since
   it cannot run the backward pass the sensitivities need.
 
@@ -21,8 +21,8 @@ value; leftovers go greedily.
 
 The shared d_R defaults to ``ROPE_SHARE`` of the per-layer budget. We also tried letting the
 first-order model choose d_R per layer, and choosing it by the attention-output error on
-held-out sequences; both gave worse perplexity than this fixed share on SmolLM2, and so did
-choosing it from the fisher KL curves (see README, "Not done yet").
+held-out sequences; both gave worse perplexity than this fixed share, and so did choosing it from
+the fisher KL curves (bench/experiments/rope_per_layer.py; README, "Not done yet").
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ def damped_ranks(curves: list[torch.Tensor], uniform: list[int], rank_budget: in
     rounded down, then leftovers spent greedily on the curves.
 
     Why damped: the KL prediction adds up each layer's error as if the others were exact, but every
-    compressed layer also shifts the inputs the later ones were calibrated on. On SmolLM2-135M the
-    full step beat uniform ranks at 50% and 68.75% KV reduction and lost to them at 81.25% and 87.5%,
-    while the half step beat both at all four (README, bench/quality_sweep.py)."""
+    compressed layer also shifts the inputs the later ones were calibrated on. The full step beat
+    uniform ranks only at the larger budgets, the half step at every budget measured
+    (bench/quality_sweep.py; results in bench/results/quality_sweep/)."""
     if not 0 <= step <= 1:
         raise ValueError(f"the fisher step must be in [0, 1], got {step}")
     optimal = plan_ranks(curves, rank_budget)

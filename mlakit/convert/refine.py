@@ -31,9 +31,9 @@ How the constants were chosen (none is fitted to one model):
 - ``lr`` 1e-3 of each tensor's RMS per step: over a cosine schedule the weights move by at most
   about steps * lr / 2 of their scale, a few percent for tens of steps: a correction of the
   closed form's start, not training from it;
-- ``epochs`` 0 by default (the refit only): on SmolLM2-135M, Adam after the refit removed a few
-  percent more of the loss at several times the refit's cost, and Adam alone, or on the block
-  target, got less than the refit (bench/experiments/refine_variants.py);
+- ``epochs`` 0 by default (the refit only): Adam after the refit removed little more of the loss
+  for much more time, and Adam alone, or on the block target, got less than the refit
+  (bench/experiments/refine_variants.py; results in bench/results/refine_variants.md);
 - the ``attention`` target by default: the refit needs it, and its block-output loss came out
   below what Adam on the block target itself reached (same bench); the perplexity of each
   choice is in bench/experiments/refine_layerwise.py's results.

@@ -93,10 +93,10 @@ def resolve_allocation(opts: ConvertOptions) -> ConvertOptions:
 
 
 # RRR weighs key and value errors by a first-order model of the output error. It wins at large
-# budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones
-# (bench/experiments/lowrank_domains.py, SmolLM2-135M: on the two evaluation texts unlike the
-# calibration's, RRR is ahead in 4 of 4 cases at 0.5 and 0.3125 of the source cache, BKV-PCA in
-# 3 of 4 at 0.1875 and 0.125). A measured switch point on one model, not a derivation.
+# budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones, most on text
+# unlike the calibration's: bench/experiments/lowrank_domains.py measures both at four budgets on
+# evaluation texts of three domains (results in docs/results.md). A measured switch point on one
+# model, not a derivation.
 AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
 
 

@@ -263,8 +263,9 @@ def _open_dir(directory: Path, spec: str) -> Source:
 def _file_in_memory(path, mode="r", *args, **kwargs):
     """``numpy.memmap`` for gguf's reader: a read-only file is read into memory instead of mapped.
     The reader slices its map once per metadata value, and a memmap slice costs microseconds of
-    Python where an array slice costs a fraction of one: parsing SmolLM2-135M's 49,152-entry
-    vocabulary took 4.7 s mapped and 1.2 s in memory. Every tensor is dequantized anyway."""
+    Python where an array slice costs a fraction of one, and a vocabulary holds tens of thousands of
+    entries (the "open" phase of bench/convert_cost.py times it; results in bench/results/). Every
+    tensor is dequantized anyway."""
     import numpy as np
 
     if mode != "r" or args or kwargs:
@@ -280,9 +281,10 @@ def _parse_gguf_once():
 
     transformers parses the whole file (tens of thousands of vocabulary strings) separately for the
     config, the weights and the tokenizer, and rebuilds gguf's tensor-name map for every submodule
-    of the model: 13 s of the 21 s that opening SmolLM2-135M took on 2 cores. Here a path gives the same
-    parsed (read-only) reader each time, parsed from the file's bytes in memory (``_file_in_memory``),
-    its metadata is turned into Python values once (0.7 s a time, a copy is handed out), and the
+    of the model: most of the time opening a GGUF model took (the "open" phase of
+    bench/convert_cost.py; results in bench/results/). Here a path gives the same parsed (read-only)
+    reader each time, parsed from the file's bytes in memory (``_file_in_memory``), its metadata is
+    turned into Python values once (a copy is handed out, so nobody pays for it twice), and the
     name map is built once per architecture. If a transformers or gguf release reads GGUF files
     differently, nothing is shared and nothing breaks."""
     import gguf

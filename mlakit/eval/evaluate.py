@@ -266,7 +266,7 @@ def run_eval(s: EvalSettings) -> dict:
 
 def eval_figures(report: dict, draw: bool = True) -> dict:
     """Figures for an eval report, by file name (``draw=False``: names only, values None).
-    matplotlib is imported only to draw: it costs every CLI start 0.6 s."""
+    matplotlib is imported only to draw: importing it would slow every CLI start, --help included."""
     converted = report.get("sweep") or [report["converted"]]
     names = ["kv_per_layer.png"]
     if any(c.get("layer_ranks") for c in converted):

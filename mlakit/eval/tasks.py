@@ -64,7 +64,9 @@ def _import_harness():
     return lm_eval, TaskManager
 
 
-_MANAGERS: dict = {}  # (include_path, with defaults) -> TaskManager: indexing ~15K YAML files takes ~20 s
+# (include_path, with defaults) -> TaskManager: it indexes every task YAML file lm-eval ships, which is
+# slow, so once per process
+_MANAGERS: dict = {}
 
 
 def _task_manager(TaskManager, include_path: str | None, defaults: bool):

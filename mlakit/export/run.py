@@ -9,7 +9,7 @@ import json
 import logging
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from ..convert.output_dir import check_output, claim_output, local_paths
 from ..convert.source import TOKENIZER_FILES, resolve_source
 from ..convert.verify import VERIFY_TOKENS, logit_report, verify_token_ids
 from ..convert.writer import save_state_dict, write_json
+from ..export_options import EXPORT_FORMATS, ExportOptions
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
     ExportError,
@@ -33,20 +34,8 @@ __all__ = ["FORMATS", "ExportOptions", "convert_to_format", "export", "read_nati
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("native", "deepseek-v3")
+FORMATS = ("native", *EXPORT_FORMATS)  # what `convert --format` writes
 _PROVENANCE = ("conversion.json", "recipe.yaml")
-
-
-@dataclass
-class ExportOptions:
-    format: str = "deepseek-v3"
-    dtype: str = "auto"
-    biases: str = "refuse"
-    rope_scaling: str = "refuse"  # a scaled rope (linear, llama3): refuse, or hf-exact (transformers only)
-    target: str = "any"  # vllm: refuse an export vLLM would refuse or misread (engine_rules.vllm_problems)
-    clip_context: bool = False
-    overwrite: bool = False
-    verify: bool = True
 
 
 class _Native:
@@ -161,10 +150,10 @@ def _verify(native_dir: Path, export_dir: Path, max_positions: int) -> dict:
 
 
 def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
-    """Export the native checkpoint NATIVE_DIR as OPTS.format at DEST; returns the export report."""
+    """Export the native checkpoint NATIVE_DIR as OPTS.format at DEST; returns the export report.
+
+    OPTS were validated when they were made (``mlakit.export_options``), before anything is read here."""
     opts = opts or ExportOptions()
-    if opts.format != "deepseek-v3":
-        raise ExportError(f"--format {opts.format!r} cannot be exported; the export formats are: deepseek-v3")
     with claim_output(dest, opts.overwrite, sources=[native_dir]) as claim:
         return _export_into(claim, Path(native_dir), opts)
 

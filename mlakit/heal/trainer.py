@@ -34,6 +34,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mlakit.convert.output_dir import check_output, claim_output, local_paths
+from mlakit.heal_options import HealOptions
 
 from .data import open_training_data
 from .models import StudentWithLoss, heldout_loss, load_models, read_student_config, teacher_parts
@@ -46,7 +47,7 @@ from .output import (
     write_healed,
     write_run_settings,
 )
-from .schedule import TRAIN_CHOICES, cosine_with_warmup, select_trainable
+from .schedule import cosine_with_warmup, select_trainable
 
 __all__ = ["HealError", "HealOptions", "heal"]
 
@@ -76,32 +77,6 @@ _RESUME_KEYS = tuple(k for k in _RUN_KEYS if k not in ("batch_size", "grad_accum
 
 
 @dataclass
-class HealOptions:
-    teacher: str
-    data: str = "builtin"
-    tokens: int = 200_000
-    seq_len: int = 256
-    lr: float = 1e-4
-    batch_size: int = 4
-    grad_accum: int = 1
-    train: str = "attention"
-    save_every: int = 0  # optimizer steps between checkpoints; 0 = none
-    resume: bool = False
-    temperature: float = 1.0
-    lm_weight: float = 0.0
-    warmup: int | None = None  # optimizer steps; None = 5% of the run
-    seed: int = 0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    val_sequences: int = 16  # held-out sequences for the before/after loss
-    chunk_tokens: int = 4096  # positions per chunk of the loss (batch x chunk length)
-    work_dir: str | None = None  # checkpoints; default DEST.heal-work beside DEST
-    keep_checkpoints: int = 1
-    overwrite: bool = False
-    quiet: bool = False
-
-
-@dataclass
 class _Progress:
     """Run state that is not in model/optimizer/scheduler; saved with every checkpoint."""
 
@@ -118,29 +93,6 @@ class _Progress:
     def load_state_dict(self, state: dict) -> None:
         for key, value in state.items():
             setattr(self, key, value)
-
-
-def _check_options(opts: HealOptions) -> None:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise HealError(what)
-
-    need(opts.tokens >= 1, f"--tokens must be >= 1, got {opts.tokens}")
-    need(opts.seq_len >= 2, f"--seq-len must be >= 2, got {opts.seq_len}")
-    need(opts.lr > 0, f"--lr must be > 0, got {opts.lr}")
-    need(
-        opts.batch_size >= 1 and opts.grad_accum >= 1,
-        f"--batch-size and --grad-accum must be >= 1, got {opts.batch_size} and {opts.grad_accum}",
-    )
-    need(
-        opts.train in TRAIN_CHOICES, f"--train must be one of {', '.join(TRAIN_CHOICES)}, got {opts.train!r}"
-    )
-    need(opts.temperature > 0, f"--temperature must be > 0 (1 = plain KL), got {opts.temperature}")
-    need(opts.lm_weight >= 0, f"--lm-weight must be >= 0 (0 = distillation only), got {opts.lm_weight}")
-    need(opts.save_every >= 0, f"--save-every must be >= 0 (0 = no checkpoints), got {opts.save_every}")
-    need(opts.warmup is None or opts.warmup >= 0, f"--warmup must be >= 0 steps, got {opts.warmup}")
-    need(opts.val_sequences >= 1, f"val_sequences must be >= 1, got {opts.val_sequences}")
-    need(opts.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {opts.keep_checkpoints}")
 
 
 def _run_settings(opts: HealOptions, out: Path, accelerator) -> dict:
@@ -203,7 +155,6 @@ def heal(out: str | Path, dest: str | Path, opts: HealOptions, on_step=None, on_
     checkpoint); ON_BATCH as ``on_batch(step, ids)`` with each (batch, seq_len) micro-batch this
     process trains on in optimizer step STEP (1-based).
     """
-    _check_options(opts)
     out, dest = Path(out).expanduser(), Path(dest).expanduser()
     read_student_config(out)
     check_output(dest, opts.overwrite, sources=[out, *local_paths(opts.teacher)])

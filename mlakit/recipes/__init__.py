@@ -23,7 +23,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..choices import MIN_CALIB_SEQ_LEN
-from ..options import RECIPE_FIELDS, ConvertOptions, format_errors
+from ..option_schema import format_errors
+from ..options import RECIPE_FIELDS, ConvertOptions
 
 __all__ = [
     "BUILTIN_RECIPES", "LEGACY_KEYS", "MIN_CALIB_SEQ_LEN", "Calibration", "MethodSpec", "Recipe", "RecipeError",
@@ -148,7 +149,7 @@ class Recipe(BaseModel):
         try:
             return cls.model_validate(flat)
         except ValidationError as exc:
-            lines = format_errors(exc, prefix=("options",), aliases=aliases)
+            lines = format_errors(exc, ConvertOptions, prefix=("options",), aliases=aliases)
             raise RecipeError(
                 f"{source} is invalid:\n  " + "\n  ".join(lines) + f"\nrecipe keys: {', '.join(keys)}"
             ) from None
