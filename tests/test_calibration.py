@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlakit.arch.families import AttentionShape, attention_shape
 from mlakit.convert import calibration
 from mlakit.convert.calibration import _sample_rows, collect_stats, layer_accumulator
-from mlakit.convert.families import attention_shape
 from mlakit.convert.source import open_source
 
 
@@ -85,7 +85,7 @@ def test_float32_products_keep_entries_with_outlier_channels_accurate():
     x = torch.randn(2, n // 2, D, generator=torch.Generator().manual_seed(0))
     x[..., 3] *= 800.0
     x[..., 7] += 50.0
-    acc = layer_accumulator(None, torch.ones(2), {"num_heads": 1, "num_kv_heads": 1, "head_dim": 4})
+    acc = layer_accumulator(None, torch.ones(2), AttentionShape("LlamaForCausalLM", 1, 1, 4, D, False, False, None))
     acc.with_attention = False
     acc(None, (), {"hidden_states": x})
     flat = x.reshape(-1, D).double()

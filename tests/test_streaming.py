@@ -163,7 +163,7 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     """The layer-by-layer backward sweep measures the loss sensitivities the in-memory pipeline's
     single backward pass through the whole model measures (same sequences, same sampled labels)."""
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
-    from mlakit.convert.families import attention_shape
+    from mlakit.arch.families import attention_shape
     from mlakit.convert.pipeline import calibration_ids
     from mlakit.convert.source import open_source
 
@@ -386,7 +386,7 @@ def test_max_memory_counts_the_fisher_sweep():
     vocabulary, bf16 checkpoint) that is 3 GiB more than a calibration step, so a --max-memory
     that fits the step but not the sweep is refused up front, with the fix named."""
     from mlakit.convert.calibration import LOGIT_ROWS
-    from mlakit.convert.families import attention_shape
+    from mlakit.arch.families import attention_shape
     from mlakit.convert.stream_memory import (
         choose_batch_size,
         current_rss,

@@ -30,9 +30,9 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
     from ..convert.pipeline import ConversionError
     from ..convert.rank_plan import budget_rope_dim
 
-    per_layer = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    per_layer = 2 * shape.num_kv_heads * shape.head_dim
     budget = int(kv_budget * n_layers * per_layer)
-    d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], budget / n_layers)
+    d_r = budget_rope_dim(shape.num_kv_heads, shape.head_dim, budget / n_layers)
     need = n_layers * (d_r + 4)
     if budget < need:
         raise ConversionError(
@@ -65,7 +65,7 @@ def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
         "allocation": plan["allocation"],
         "budget_values_per_token": plan["budget_values_per_token"],
         "values_per_token": sum(r["values_per_token"] for r in rows),
-        "source_values_per_token": len(rows) * 2 * shape["num_kv_heads"] * shape["head_dim"],
+        "source_values_per_token": len(rows) * 2 * shape.num_kv_heads * shape.head_dim,
         "rope_dim": plan["rope_dim"],
         "layers": rows,
     }
@@ -76,12 +76,12 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     import torch
     from tqdm.auto import tqdm
 
+    from ..arch.families import attention_shape
     from ..convert.assemble import read_attention
-    from ..convert.families import attention_shape
     from ..convert.inspect_model import layer_spectra, spectra_summary
     from ..convert.layer_metrics import layer_metrics
-    from ..convert.whole_model import calibrate
     from ..convert.source import open_source
+    from ..convert.whole_model import calibrate
 
     start = time.time()
     torch.manual_seed(opts.seed)
@@ -101,10 +101,10 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     ]
     return {
         "source": str(src),
-        "architecture": shape["family"],
+        "architecture": shape.family,
         "num_layers": n_layers,
         **{k: shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size")},
-        "kv_dims_per_layer": 2 * shape["num_kv_heads"] * shape["head_dim"],
+        "kv_dims_per_layer": 2 * shape.num_kv_heads * shape.head_dim,
         "calibration": {
             "data": opts.calib,
             "samples": opts.calib_samples,

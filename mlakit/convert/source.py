@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .families import family_for
+from ..arch import names
+from ..arch.families import family_for
 from .stream_memory import return_free_memory
 
 __all__ = [
@@ -340,7 +341,7 @@ def _open_gguf(path: Path, spec: str) -> Source:
     family_for(config)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+        state.pop(names.LM_HEAD, None)
     return_free_memory()  # the parsed file
     return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state, _model=model,
                   _tokenizer=tokenizer)
