@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from ..arch.families import AttentionShape
 
 __all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LOGIT_ROWS", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
-           "layer_accumulator", "logit_gradient"]
+           "layer_accumulator", "logit_gradient", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,12 @@ def logit_gradient(head, hidden: torch.Tensor, generator: torch.Generator) -> to
             logits = head(rows)  # (rows, V)
             with torch.no_grad():
                 grad = logits.detach().float().softmax(-1)
-                grad[torch.arange(grad.shape[0]), _sample_rows(grad, generator)] -= 1
+                grad[torch.arange(grad.shape[0]), sample_rows(grad, generator)] -= 1
             logits.backward(grad.to(logits.dtype))
     return top.grad
 
 
-def _sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row of PROBS (rows, V) drawn from that row's distribution (inverse CDF)."""
     cdf = probs.double().cumsum(-1).cpu()
     u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=generator) * cdf[:, -1:]

@@ -120,11 +120,11 @@ class MLALayers:
 
     def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``run`` in the caller's grad mode (a layer-wise refinement backpropagates through it)."""
-        from ..mla_model.modeling_mla import _AttentionMask
+        from ..mla_model.modeling_mla import AttentionMask
 
         B, L, _ = hidden.shape
         position_ids = torch.arange(L, device=self.device)[None].expand(B, L)
-        mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
+        mask = AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
         return layer(hidden, self.rotary(hidden, position_ids), mask, None)
 
     @torch.no_grad()

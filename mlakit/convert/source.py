@@ -65,6 +65,15 @@ class Source:
     _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
     _tokenizer: object = field(default=None, repr=False)
 
+    def add_shard(self, path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Register the safetensors file PATH, holding tensors name -> shape SHAPES, for lazy reads."""
+        self._shards.update(dict.fromkeys(shapes, path))
+        self._shapes.update(shapes)
+
+    def add_tensors(self, tensors: dict) -> None:
+        """Hold TENSORS (name -> tensor, e.g. a loaded pickle) in memory."""
+        self._tensors.update(tensors)
+
     def load_model(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         """The source as a plain transformers causal LM, in eval mode."""
         from transformers import AutoModelForCausalLM
@@ -239,8 +248,7 @@ def _open_dir(directory: Path, spec: str) -> Source:
                     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
             except Exception as exc:
                 raise SourceError(f"{shard} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
-            source._shards.update(dict.fromkeys(shapes, shard))
-            source._shapes.update(shapes)
+            source.add_shard(shard, shapes)
         return source
     bins = sorted(directory.glob("pytorch_model*.bin")) + sorted(directory.glob("*.pt"))
     if not bins:
@@ -255,7 +263,7 @@ def _open_dir(directory: Path, spec: str) -> Source:
             ) from exc
         if not isinstance(state, dict):
             raise SourceError(f"{path} does not hold a state dict of tensors")
-        source._tensors.update(state)
+        source.add_tensors(state)
     return source
 
 
