@@ -14,6 +14,7 @@ from .common import user_errors, verbosity_options
 from .option_flags import option_flags
 
 if TYPE_CHECKING:
+    from ..arch.families import AttentionShape
     from ..options import ConvertOptions
 
 # The conversion modules (torch, transformers) are imported in the functions that use them, so that
@@ -25,7 +26,7 @@ REPORT_JSON, FIGURE_PNG = "inspect.json", "spectra.png"
 THRESHOLDS = (0.9, 0.99)
 
 
-def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
+def _check_budget_fits(kv_budget: float, shape: AttentionShape, n_layers: int) -> None:
     """Fail before calibrating when the budget cannot hold the shared rope dims plus rank 4 per layer."""
     from ..convert.pipeline import ConversionError
     from ..convert.rank_plan import budget_rope_dim
@@ -42,7 +43,7 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
         )
 
 
-def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
+def _plan(ws, ms, shape: AttentionShape, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     from ..convert.inspect_model import latent_energy_kept
     from ..convert.settings import method_of
@@ -103,7 +104,7 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
         "source": str(src),
         "architecture": shape.family,
         "num_layers": n_layers,
-        **{k: shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size")},
+        **{k: getattr(shape, k) for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size")},
         "kv_dims_per_layer": 2 * shape.num_kv_heads * shape.head_dim,
         "calibration": {
             "data": opts.calib,

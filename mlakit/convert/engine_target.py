@@ -132,7 +132,7 @@ def check_target_shape(opts, shape: AttentionShape) -> None:
     width = VLLM_MLA_RANK + VLLM_MLA_ROPE_DIM
     if source <= width:
         raise TargetError(
-            f"--target vllm: this {shape['family']} caches {source} values per token per layer ({G} KV heads x "
+            f"--target vllm: this {shape.family} caches {source} values per token per layer ({G} KV heads x "
             f"head_dim {d}, keys and values), and vLLM's MLA kernels take exactly {width} ({VLLM_MLA_RANK} latent + "
             f"{VLLM_MLA_ROPE_DIM} rope; the GPU Triton backend also takes r + d_R = 320 or 512), so MLA cannot "
             f"save KV memory for it in vLLM. Serve the source model itself with vLLM (its cache is the smaller "
@@ -142,7 +142,7 @@ def check_target_shape(opts, shape: AttentionShape) -> None:
     if shape.hidden_size + 1 < VLLM_MLA_RANK:  # the latent is a projection of [x; 1]
         raise TargetError(
             f"--target vllm: the latent is a projection of the hidden state, so with hidden_size "
-            f"{shape['hidden_size']} no layer can use more than {shape['hidden_size'] + 1} of vLLM's "
+            f"{shape.hidden_size} no layer can use more than {shape.hidden_size + 1} of vLLM's "
             f"{VLLM_MLA_RANK} latent dims; drop --target and serve the native checkpoint with mlakit's vLLM "
             f"plugin (`vllm serve OUT`), which zero-pads the latent to {VLLM_MLA_RANK}"
         )
