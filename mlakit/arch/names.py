@@ -41,6 +41,7 @@ __all__ = [
     "Q_PROJ",
     "SELF_ATTN",
     "SOURCE_ATTN_PROJ",
+    "UP_PROJ",
     "V_PROJ",
     "attn",
     "attn_name",
