@@ -18,8 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mlakit.arch import AttentionShape
 from mlakit.cli import cli
 from mlakit.convert.engine_target import TargetError, check_target_shape, fit_target
-from mlakit.convert.pipeline import ConvertOptions, convert
-from mlakit.convert.pipeline import StreamOptions, convert_streaming
+from mlakit.convert.pipeline import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.options import OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe
 
