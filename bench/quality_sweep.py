@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 from window_bootstrap import ScoredText
 
+from mlakit.arch.families import attention_shape
 from mlakit.convert.assemble import mla_config, read_attention
-from mlakit.convert.families import attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.pipeline import ConvertOptions
 from mlakit.convert.rank_plan import FISHER_STEP, budget_rope_dim
@@ -98,7 +98,7 @@ def main():
     names = list(ROWS)
     if args.rows != "all":
         names = [names[int(i) - 1] for i in args.rows.split(",")]
-    per_layer_src = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    per_layer_src = 2 * shape.num_kv_heads * shape.head_dim
     results, sum_by_row = [], {}
     # the default row runs first, so the others can be paired with it on the same windows
     run_order = sorted(names, key=lambda n: n != DEFAULT_ROW)
@@ -106,7 +106,7 @@ def main():
         per_layer = round(frac * per_layer_src)
         for name in run_order:
             rope, low, allocation, stock, step = ROWS[name]
-            d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], per_layer, stock)
+            d_r = budget_rope_dim(shape.num_kv_heads, shape.head_dim, per_layer, stock)
             o = ConvertOptions(kv_budget=frac, allocation=allocation, rope_method=rope, lowrank_method=low,
                                stock_rope=stock)
             t = time.time()

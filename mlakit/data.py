@@ -30,6 +30,7 @@ __all__ = [
     "builtin_topic_split",
     "calibration_batches",
     "load_text",
+    "parse_hf",
     "tokenize_text",
 ]
 
@@ -96,7 +97,9 @@ def _load_file(spec: str) -> str:
     return text
 
 
-def _parse_hf(spec: str, role: str) -> tuple[str, str | None, str]:
+def parse_hf(spec: str, role: str) -> tuple[str, str | None, str]:
+    """(dataset name, config or None, split) of an ``hf:NAME[:CONFIG[:SPLIT]]`` SPEC; the split
+    defaults by ROLE (eval or calib)."""
     parts = spec[len(HF_PREFIX) :].split(":")
     if not parts[0] or len(parts) > 3 or any(not p for p in parts[1:]):
         raise DataSpecError(
@@ -110,7 +113,7 @@ def _parse_hf(spec: str, role: str) -> tuple[str, str | None, str]:
 
 
 def _load_hf(spec: str, role: str, flag: str = "--data") -> str:
-    name, config, split = _parse_hf(spec, role)
+    name, config, split = parse_hf(spec, role)
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is a dependency

@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from mlakit.arch.families import attention_shape
 from mlakit.cli import cli
 from mlakit.convert.calibration import collect_stats
-from mlakit.convert.families import attention_shape
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.rank_plan import damped_ranks, plan_ranks, spend_leftovers
 from mlakit.convert.source import open_source

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlakit.arch.families import AttentionShape, attention_shape
 from mlakit.convert import calibration
-from mlakit.convert.calibration import _sample_rows, collect_stats, layer_accumulator
-from mlakit.convert.families import attention_shape
+from mlakit.convert.calibration import collect_stats, layer_accumulator, sample_rows
 from mlakit.convert.source import open_source
 
 
@@ -85,7 +85,7 @@ def test_float32_products_keep_entries_with_outlier_channels_accurate():
     x = torch.randn(2, n // 2, D, generator=torch.Generator().manual_seed(0))
     x[..., 3] *= 800.0
     x[..., 7] += 50.0
-    acc = layer_accumulator(None, torch.ones(2), {"num_heads": 1, "num_kv_heads": 1, "head_dim": 4})
+    acc = layer_accumulator(None, torch.ones(2), AttentionShape("LlamaForCausalLM", 1, 1, 4, D, False, False, None))
     acc.with_attention = False
     acc(None, (), {"hidden_states": x})
     flat = x.reshape(-1, D).double()
@@ -98,9 +98,9 @@ def test_float32_products_keep_entries_with_outlier_channels_accurate():
 
 def test_sampled_labels_follow_each_rows_distribution():
     probs = torch.tensor([[0.7, 0.2, 0.1, 0.0], [0.0, 0.0, 0.0, 1.0]]).repeat(10000, 1)
-    labels = _sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
+    labels = sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
     freq = torch.bincount(labels[:, 0], minlength=4).double() / 10000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1, 0.0], dtype=torch.float64), atol=0.015), freq
     assert torch.all(labels[:, 1] == 3)
-    again = _sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
+    again = sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
     assert torch.equal(labels, again)  # seeded

@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 from mlakit import load_converted
+from mlakit.arch import AttentionShape
 from mlakit.cli import cli
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.low_rank import bkv_metric, full_rank, metric_factor
@@ -210,7 +211,7 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
 def test_auto_lowrank_is_rrr_from_a_quarter_of_the_cache_and_bkv_pca_below():
     from mlakit.convert.pipeline import AUTO_RRR_FROM, resolve_lowrank
 
-    shape = {"num_kv_heads": 2, "head_dim": 16}  # 64 cached values per token per layer
+    shape = AttentionShape("LlamaForCausalLM", 4, 2, 16, 64, False, False, None)  # 64 cached values per token per layer
     assert AUTO_RRR_FROM == 0.25
     for budget, want in ((0.5, "rrr"), (0.25, "rrr"), (0.2, "bkv_pca"), (0.1, "bkv_pca")):
         assert resolve_lowrank(ConvertOptions(kv_budget=budget), shape).lowrank_method == want

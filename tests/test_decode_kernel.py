@@ -245,7 +245,7 @@ def test_autotune_prune_rule():
 
     def kept(dtype, heads, split_len, block_r=512):
         named = {"H": heads, "split_len_hint": split_len, "CKV": torch.empty(1, dtype=dtype)}
-        cfgs = decode_triton._prune_configs(decode_triton._CONFIGS, named, BLOCK_R=block_r)
+        cfgs = decode_triton.prune_configs(decode_triton.AUTOTUNE_CONFIGS, named, BLOCK_R=block_r)
         return {(c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], c.num_warps) for c in cfgs}
 
     big = kept(torch.bfloat16, 128, 4096)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from mlakit.arch import AttentionShape
 from mlakit.cli import cli
 from mlakit.convert.engine_target import TargetError, check_target_shape, fit_target
-from mlakit.convert.pipeline import ConvertOptions, convert
-from mlakit.convert.pipeline import StreamOptions, convert_streaming
+from mlakit.convert.pipeline import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.options import OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe
 
@@ -116,7 +117,8 @@ def test_stock_export_resolves_a_recipes_allocation_and_refuses_an_explicit_one(
 
 
 def test_small_caches_are_refused_naming_what_is_gained_and_lost():
-    smollm2 = {"family": "LlamaForCausalLM", "num_kv_heads": 3, "head_dim": 64, "hidden_size": 576}
+    smollm2 = AttentionShape("LlamaForCausalLM", num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+                             qkv_bias=False, o_bias=False, window=None)
     with pytest.raises(TargetError) as err:
         check_target_shape(ConvertOptions(target="vllm"), smollm2)
     text = str(err.value)
@@ -129,10 +131,10 @@ def test_small_caches_are_refused_naming_what_is_gained_and_lost():
         "1.50x the source's cache",
     ):
         assert part.lower() in text.lower(), (part, text)
-    llama3_8b = smollm2 | {"num_kv_heads": 8, "head_dim": 128, "hidden_size": 4096}
+    llama3_8b = replace(smollm2, num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096)
     check_target_shape(ConvertOptions(target="vllm"), llama3_8b)
     with pytest.raises(TargetError, match="with hidden_size 256 no layer can use more than 257"):
-        check_target_shape(ConvertOptions(target="vllm"), llama3_8b | {"hidden_size": 256})
+        check_target_shape(ConvertOptions(target="vllm"), replace(llama3_8b, hidden_size=256))
     check_target_shape(ConvertOptions(), smollm2)  # no target: nothing to check
 
 

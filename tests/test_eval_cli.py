@@ -301,7 +301,7 @@ def test_bench_context_beyond_the_model(models):
 
 
 def test_sweep_labels_are_unique(tmp_path):
-    from mlakit.eval.evaluate import _sweep_labels
+    from mlakit.eval.evaluate import sweep_labels
 
     paths = [tmp_path / "a" / "out", tmp_path / "b" / "out", tmp_path / "r64"]
-    assert _sweep_labels(paths) == ["a/out", "b/out", f"{tmp_path.name}/r64"]
+    assert sweep_labels(paths) == ["a/out", "b/out", f"{tmp_path.name}/r64"]

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from mlakit import load_converted
+from mlakit.arch import AttentionShape
 from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.export import ExportError, ExportOptions, convert_to_format, export
 from mlakit.export.deepseek_v3 import noop_yarn
@@ -227,7 +229,7 @@ def test_export_target_vllm_refuses_what_vllm_would_refuse_or_misread(natives, t
 
 
 def test_transformers_only_options_contradict_target_vllm():
-    shape = {"qkv_bias": True, "o_bias": False, "window": None}
+    shape = AttentionShape("Qwen2ForCausalLM", 4, 2, 16, 64, qkv_bias=True, o_bias=False, window=None)
     config = type("Cfg", (), {"rope_parameters": {"rope_type": "default"}, "max_position_embeddings": 4096})()
     check_source_for_export(config, shape, ExportOptions(biases="hf-exact"))  # fine without a target
     # the contradiction is refused when the options are made, before any source is read
@@ -241,7 +243,7 @@ def test_transformers_only_options_contradict_target_vllm():
         check_source_for_export(config, shape, duck)
     config.rope_parameters = {"rope_type": "llama3"}
     with pytest.raises(ExportError, match=r"--target vllm, but .*rope_type 'llama3'"):
-        check_source_for_export(config, {**shape, "qkv_bias": False}, duck)
+        check_source_for_export(config, replace(shape, qkv_bias=False), duck)
 
 
 @pytest.mark.parametrize(

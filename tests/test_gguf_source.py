@@ -1,4 +1,4 @@
-"""Opening a GGUF file: inside ``_parse_gguf_once`` a file is parsed once, from memory, and its
+"""Opening a GGUF file: inside ``gguf_patch.parse_gguf_once`` a file is parsed once, from memory, and its
 metadata is turned into Python values once; outside it nothing is changed."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gguf.gguf_reader as reader_module
 import numpy as np
 from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-from mlakit.convert import source as source_module
+from mlakit.convert.gguf_patch import parse_gguf_once
 
 
 def _tiny_gguf(path):
@@ -33,7 +33,7 @@ def test_a_gguf_file_is_parsed_once_inside_the_block(monkeypatch, tmp_path):
     monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     maps = []
     monkeypatch.setattr(gguf, "get_tensor_name_map", lambda arch, n: maps.append((arch, n)) or object())
-    with source_module._parse_gguf_once():
+    with parse_gguf_once():
         first, second = gguf.GGUFReader(tmp_path / "a.gguf"), gguf.GGUFReader(tmp_path / "a.gguf")
         other = gguf.GGUFReader(tmp_path / "b.gguf")
         assert first is second and other is not first
@@ -48,7 +48,7 @@ def test_a_gguf_file_is_parsed_once_inside_the_block(monkeypatch, tmp_path):
 def test_the_reader_inside_the_block_reads_from_memory_and_parses_the_same(tmp_path):
     path = _tiny_gguf(tmp_path / "tiny.gguf")
     mapped = gguf.GGUFReader(path)
-    with source_module._parse_gguf_once():
+    with parse_gguf_once():
         in_memory = gguf.GGUFReader(path)
     assert isinstance(mapped.data, np.memmap)
     assert not isinstance(in_memory.data, np.memmap) and not in_memory.data.flags.writeable
@@ -72,7 +72,7 @@ def test_metadata_is_parsed_once_and_each_caller_gets_its_own_copy(monkeypatch):
         return {"config": {"vocab": ["a", "b"]}}
 
     monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", fake_load)
-    with source_module._parse_gguf_once():
+    with parse_gguf_once():
         first = hf_gguf.load_gguf_checkpoint("m.gguf", return_tensors=False)
         first["config"]["vocab"].append("changed by a caller")
         second = hf_gguf.load_gguf_checkpoint("m.gguf", return_tensors=False)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlakit.arch.families import attention_shape
+from mlakit.arch.names import LAYER_PREFIX
 from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attention
 from mlakit.convert.calibration import layer_accumulator
 from mlakit.convert.compress import Method, compress_layer
-from mlakit.convert.families import LAYER_PREFIX, attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.layer_runner import MLALayers, SourceLayers
 from mlakit.convert.refine import RefineSettings, attention_residual, layer_loss, refine_layer
@@ -21,13 +22,13 @@ def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, lo
     its inputs (the source's layer-0 outputs of random tokens) and the source's targets."""
     source = open_source(str(src_dir))
     shape = attention_shape(source.config)
-    G, d = shape["num_kv_heads"], shape["head_dim"]
+    G, d = shape.num_kv_heads, shape.head_dim
     rope_dim = G * d if rope_dim is None else rope_dim
     rank = 2 * G * d - rope_dim if rank is None else rank
     i = 1
     tensors = {n: source.tensor(n) for n in source.tensor_names() if n.startswith(LAYER_PREFIX.format(i=i))}
     tensors |= {n: source.tensor(n) for n in source.tensor_names() if n.startswith(LAYER_PREFIX.format(i=0))}
-    src = SourceLayers(source.config, shape["window"])
+    src = SourceLayers(source.config, shape.window)
     ids = torch.randint(3, 96, (12, 32), generator=torch.Generator().manual_seed(1))
     hidden = src.run(src.layer(0, tensors), torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight")))
     layer = src.layer(i, tensors)
@@ -39,7 +40,7 @@ def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, lo
     w = read_attention(source, i, shape)
     mla = compress_layer(w, layer_metrics(w, acc.result()), Method(), rope_dim, rank)
     config = mla_config(source.config, shape, [mla] * source.config.num_hidden_layers, torch.float32)
-    out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"])
+    out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape.qkv_bias, kv_a_bias=shape.qkv_bias)
     out |= {n: t for n, t in tensors.items() if n.startswith(LAYER_PREFIX.format(i=i)) and ".self_attn." not in n}
     runner = MLALayers(config)
     return runner.layer(i, out), runner.forward, hidden, targets, out

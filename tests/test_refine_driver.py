@@ -9,13 +9,20 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
+from mlakit.convert.pipeline import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.convert.refine import RefineSettings
 from mlakit.options import OptionsError
 from mlakit.recipes import Recipe
 from tests import test_streaming
-from tests.convert_helpers import fast_args, run
-from tests.test_streaming import _assert_same_checkpoint, _Interrupt, _same_bytes, _stop_at, _tensors
+from tests.convert_helpers import (
+    Interrupt,
+    assert_same_bytes,
+    assert_same_checkpoint,
+    checkpoint_tensors,
+    fast_args,
+    run,
+    stop_at,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -30,7 +37,7 @@ def test_refined_conversion_is_the_same_in_memory_and_streaming(tiny_sources, tm
     opts = ConvertOptions(**setting, **CALIB, **REFINE)
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
-    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
     strip = [{k: v for k, v in r.items() if k != "refine"} | {"refine": {k: v for k, v in r["refine"].items()
              if k != "seconds"}} for r in got["layers"]]
     assert strip == [{k: v for k, v in r.items() if k != "refine"} | {"refine": {k: v for k, v in r["refine"].items()
@@ -40,7 +47,7 @@ def test_refined_conversion_is_the_same_in_memory_and_streaming(tiny_sources, tm
     assert any(r["refine"]["kept"] != "start" for r in got["layers"])
     # the refined weights are what was written: they differ from the closed form's
     plain = convert(str(tiny_sources[family]), tmp_path / "plain", ConvertOptions(**setting, **CALIB))
-    a, b = _tensors(tmp_path / "mem"), _tensors(tmp_path / "plain")
+    a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "plain")
     assert any(not (a[k] == b[k]).all() for k in a if ".self_attn.o_proj." in k)
     assert all((a[k] == b[k]).all() for k in a if ".self_attn." not in k)
     assert "refine" not in plain["layers"][0]
@@ -52,7 +59,7 @@ def test_refinement_at_full_cache_stays_bit_exact(tiny_sources, tmp_path):
     base = dict(kv_budget=1.0, rope_dim=32, allocation="uniform", **CALIB)  # 2 KV heads x head_dim 16
     report = convert(str(tiny_sources["llama_gqa"]), tmp_path / "refined", ConvertOptions(**base, **REFINE))
     convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base))
-    _same_bytes(tmp_path / "refined", tmp_path / "plain")
+    assert_same_bytes(tmp_path / "refined", tmp_path / "plain")
     assert all(r["refine"]["kept"].startswith("start") and r["refine"]["steps"] == 0 for r in report["layers"])
     assert report["verify"]["max_abs_logit_diff"] < 1e-4
 
@@ -60,11 +67,11 @@ def test_refinement_at_full_cache_stays_bit_exact(tiny_sources, tmp_path):
 def test_interrupted_refined_conversion_resumes_to_identical_output(deep_source, tmp_path):
     opts = ConvertOptions(kv_lora_rank=20, rope_dim=8, **CALIB, **REFINE)
     convert_streaming(str(deep_source), tmp_path / "reference", opts)
-    with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=_stop_at("convert", 3))
+    with pytest.raises(Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=stop_at("convert", 3))
     report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(resume=True))
     assert report["pipeline"]["resumed_from_layer"] == 3
-    _assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
+    assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
 
 
 def test_cli_refine_flags_reach_the_report_and_the_saved_recipe(tiny_sources, tmp_path):
@@ -119,7 +126,7 @@ def test_refining_on_fewer_sequences_carries_only_those_and_stays_identical(tiny
     opts = ConvertOptions(**setting, **CALIB, **(REFINE | dict(refine_sequences=5)))
     mem = convert(str(tiny_sources["qwen2"]), tmp_path / "mem", opts)
     convert_streaming(str(tiny_sources["qwen2"]), tmp_path / "stream", opts)
-    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
     assert all(r["refine"]["steps"] == 2 for r in mem["layers"])  # ceil(1 epoch x 5 sequences / 4)
     full = convert(str(tiny_sources["qwen2"]), tmp_path / "all", ConvertOptions(**setting, **CALIB, **REFINE))
     assert [r["refine"]["loss_before"] for r in full["layers"]] != [r["refine"]["loss_before"] for r in mem["layers"]]

@@ -7,12 +7,10 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlakit import load_converted
@@ -22,6 +20,13 @@ from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptio
 from mlakit.convert.run import choose_pipeline
 from mlakit.convert.shard_stream import ShardLayout, read_header
 from mlakit.convert.work_dir import work_dir_for
+from tests.convert_helpers import (
+    Interrupt,
+    assert_same_bytes,
+    assert_same_checkpoint,
+    checkpoint_tensors,
+    stop_at,
+)
 from tests.tiny_models import FAMILY_BUILDERS, assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -73,29 +78,6 @@ def _logits(path, ids):
         return load_converted(path)(ids).logits
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _assert_same_checkpoint(got: Path, want: Path) -> None:
-    a, b = _tensors(got), _tensors(want)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
-    assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
-
-
-def _same_bytes(got: Path, want: Path) -> None:
-    """Every weight file and config of GOT is byte for byte the one in WANT."""
-    files = sorted(p.name for p in want.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    assert files and files == sorted(p.name for p in got.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
-    for name in files:
-        assert (got / name).read_bytes() == (want / name).read_bytes(), name
-
-
 @pytest.mark.parametrize("family", sorted(FAMILY_BUILDERS))
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_in_memory_and_streaming_write_identical_bytes(tiny_sources, tmp_path, family, setting):
@@ -104,7 +86,7 @@ def test_in_memory_and_streaming_write_identical_bytes(tiny_sources, tmp_path, f
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
-    _same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
     assert got["layers"] == mem["layers"] and got["plan"] == mem["plan"] and got["verify"] == mem["verify"]
     assert (got["pipeline"]["name"], mem["pipeline"]["name"]) == ("streaming", "in-memory")
     names = {p.name for p in (tmp_path / "stream").iterdir()}
@@ -119,15 +101,7 @@ def test_default_allocation_is_the_same_for_every_source(tiny_sources, tmp_path)
     got = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "stream", opts)
     assert mem["plan"]["allocation"] == got["plan"]["allocation"] == pipeline.resolve_allocation(opts).allocation
     assert mem["plan"]["allocation"] != "auto"
-    _same_bytes(tmp_path / "stream", tmp_path / "mem")
-
-
-def _stop_at(phase: str, index: int, exc=None):
-    """An ``on_layer`` hook raising EXC (default ``_Interrupt``) before layer INDEX of PHASE."""
-    def hook(at_phase, at_index):
-        if (at_phase, at_index) == (phase, index):
-            raise (exc or _Interrupt)()
-    return hook
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
 
 
 def test_multi_shard_output_loads_and_equals_single_shard(deep_source, tmp_path, ids):
@@ -143,7 +117,7 @@ def test_multi_shard_output_loads_and_equals_single_shard(deep_source, tmp_path,
             len(meta) == 1
             or sum(m["data_offsets"][1] - m["data_offsets"][0] for m in meta.values()) <= 40_000
         )
-    _assert_same_checkpoint(tmp_path / "many", tmp_path / "one")
+    assert_same_checkpoint(tmp_path / "many", tmp_path / "one")
     assert torch.equal(_logits(tmp_path / "many", ids), _logits(tmp_path / "one", ids))
 
 
@@ -155,15 +129,11 @@ def test_shard_layout_is_greedy_in_order():
     assert ShardLayout(entries, max_shard_bytes=1000).files == ["model.safetensors"]
 
 
-class _Interrupt(Exception):
-    pass
-
-
 def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source, tmp_path):
     """The layer-by-layer backward sweep measures the loss sensitivities the in-memory pipeline's
     single backward pass through the whole model measures (same sequences, same sampled labels)."""
+    from mlakit.arch.families import attention_shape
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
-    from mlakit.convert.families import attention_shape
     from mlakit.convert.pipeline import calibration_ids
     from mlakit.convert.source import open_source
 
@@ -188,8 +158,8 @@ def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_pat
 
     out = tmp_path / "out"
     # compressed: after layer 3 of 5; planned and fisher: after 3 layers' statistics
-    stop = _stop_at("convert" if setting == "compressed" else "statistics", 3)
-    with pytest.raises(_Interrupt):
+    stop = stop_at("convert" if setting == "compressed" else "statistics", 3)
+    with pytest.raises(Interrupt):
         convert_streaming(str(deep_source), out, opts, stream, on_layer=stop)
     work = work_dir_for(out)
     assert not out.exists() and (work / "state.json").is_file()
@@ -201,7 +171,7 @@ def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_pat
     )
     assert report["pipeline"]["resumed_from_layer"] == (3 if setting == "compressed" else 0)
     assert not work.exists()
-    _assert_same_checkpoint(out, tmp_path / "reference")
+    assert_same_checkpoint(out, tmp_path / "reference")
     assert report["verify"] == json.loads((tmp_path / "reference" / "conversion.json").read_text())["verify"]
 
 
@@ -225,16 +195,16 @@ def test_killed_process_resumes_to_identical_output(deep_source, tmp_path):
     assert len(state["layers"]) == 2 and not out.exists()
     report = convert_streaming(str(deep_source), out, ConvertOptions(**opts), StreamOptions(resume=True))
     assert report["pipeline"]["resumed_from_layer"] == 2
-    _assert_same_checkpoint(out, tmp_path / "reference")
+    assert_same_checkpoint(out, tmp_path / "reference")
 
 
 def test_resume_with_changed_settings_is_refused(deep_source, tmp_path):
     opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
-    with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=_stop_at("convert", 0))
+    with pytest.raises(Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=stop_at("convert", 0))
     assert not work_dir_for(tmp_path / "out").exists()  # nothing finished: nothing kept
-    with pytest.raises(_Interrupt):
-        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=_stop_at("convert", 1))
+    with pytest.raises(Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=stop_at("convert", 1))
     changed = ConvertOptions(**{**SETTINGS["compressed"], "kv_lora_rank": 16}, **CALIB)
     with pytest.raises(ConversionError, match="settings kv_lora_rank differ"):
         convert_streaming(str(deep_source), tmp_path / "out", changed, StreamOptions(resume=True))
@@ -246,7 +216,7 @@ def test_sequential_calibration_changes_later_layers_only(deep_source, tmp_path)
     opts = ConvertOptions(**SETTINGS["compressed"], **CALIB)
     convert_streaming(str(deep_source), tmp_path / "default", opts)
     seq = convert_streaming(str(deep_source), tmp_path / "seq", opts, StreamOptions(sequential=True))
-    a, b = _tensors(tmp_path / "seq"), _tensors(tmp_path / "default")
+    a, b = checkpoint_tensors(tmp_path / "seq"), checkpoint_tensors(tmp_path / "default")
     layer0 = [k for k in a if k.startswith("model.layers.0.self_attn.")]
     later = [k for k in a if k.startswith("model.layers.") and ".self_attn." in k and not k.startswith("model.layers.0.")]
     assert layer0 and all(torch.equal(a[k], b[k]) for k in layer0)
@@ -268,12 +238,12 @@ def test_sequential_calibration_at_full_cache_stays_lossless(deep_source, tmp_pa
 def test_interrupted_sequential_conversion_resumes_to_identical_output(deep_source, tmp_path, setting):
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)
     convert_streaming(str(deep_source), tmp_path / "reference", opts, StreamOptions(sequential=True))
-    with pytest.raises(_Interrupt):
+    with pytest.raises(Interrupt):
         convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True),
-                          on_layer=_stop_at("convert", 3))
+                          on_layer=stop_at("convert", 3))
     report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(sequential=True, resume=True))
     assert report["pipeline"]["resumed_from_layer"] == 3
-    _assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
+    assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
     assert report["verify"] == json.loads((tmp_path / "reference" / "conversion.json").read_text())["verify"]
 
 
@@ -327,7 +297,7 @@ def test_cli_resume_continues_an_interrupted_run(deep_source, tmp_path, monkeypa
     ]
     real = pipeline.run_conversion  # what the CLI calls; the hook stops it before the third layer
     monkeypatch.setattr(pipeline, "run_conversion", functools.partial(
-        real, on_layer=_stop_at("convert", 2, KeyboardInterrupt)))
+        real, on_layer=stop_at("convert", 2, KeyboardInterrupt)))
     code, _ = run_cli(*args)
     assert code != 0 and work_dir_for(tmp_path / "out").is_dir()
     monkeypatch.undo()
@@ -385,8 +355,8 @@ def test_max_memory_counts_the_fisher_sweep():
     """The fisher backward sweep holds the LM head in float32: with a Llama-3-8B shape (128K-token
     vocabulary, bf16 checkpoint) that is 3 GiB more than a calibration step, so a --max-memory
     that fits the step but not the sweep is refused up front, with the fix named."""
+    from mlakit.arch.families import attention_shape
     from mlakit.convert.calibration import LOGIT_ROWS
-    from mlakit.convert.families import attention_shape
     from mlakit.convert.stream_memory import (
         choose_batch_size,
         current_rss,

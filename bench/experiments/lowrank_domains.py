@@ -23,12 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quality_sweep import build_model  # noqa: E402
 
+from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.assemble import read_attention  # noqa: E402
-from mlakit.convert.families import attention_shape  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
 from mlakit.convert.pipeline import ConvertOptions  # noqa: E402
-from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.convert.source import open_source  # noqa: E402
+from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.data import load_text, tokenize_text  # noqa: E402
 from mlakit.eval.perplexity import sliding_windows, window_nll  # noqa: E402
 

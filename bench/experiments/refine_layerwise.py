@@ -32,10 +32,11 @@ from types import SimpleNamespace
 
 import torch
 
+from mlakit.arch.families import attention_shape
+from mlakit.arch.names import LAYER_PREFIX
 from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attention
 from mlakit.convert.calibration import ATTENTION_SAMPLES, BATCH_SIZE, layer_accumulator
 from mlakit.convert.compress import compress_layer
-from mlakit.convert.families import LAYER_PREFIX, attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.layer_runner import MLALayers, SourceLayers
 from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
@@ -118,7 +119,7 @@ def main():
           f"ranks {ranks}", flush=True)
 
     # layer by layer, every row in lockstep
-    src = SourceLayers(source.config, shape["window"])
+    src = SourceLayers(source.config, shape.window)
     emb = source.tensor("model.embed_tokens.weight").float()
     h_src = torch.nn.functional.embedding(ids, emb)
     layer_rows = [n for n in names if n != next(iter(ROWS))]
@@ -166,7 +167,7 @@ def main():
             config = mla_config(source.config, shape, [SimpleNamespace(kv_lora_rank=r, rope_dim=rope_dim,
                                 freq_index=list(mla.freq_index)) for r in ranks], torch.float32)
             runner = MLALayers(config)
-            out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"])
+            out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape.qkv_bias, kv_a_bias=shape.qkv_bias)
             out |= {k: t for k, t in tensors.items() if ".self_attn." not in k}
             block = runner.layer(i, out)
             if settings is not None:

@@ -22,10 +22,11 @@ from types import SimpleNamespace
 
 import torch
 
+from mlakit.arch.families import attention_shape
+from mlakit.arch.names import LAYER_PREFIX
 from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attention
 from mlakit.convert.calibration import layer_accumulator
 from mlakit.convert.compress import compress_layer
-from mlakit.convert.families import LAYER_PREFIX, attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.layer_runner import MLALayers, SourceLayers
 from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
@@ -60,7 +61,7 @@ def main():
     opts = ConvertOptions(kv_budget=meta["kv_budget"], calib_samples=args.calib_samples)
     method = method_of(opts, shape)
     ids = calibration_ids(source, opts, source.config.vocab_size)
-    src = SourceLayers(source.config, shape["window"])
+    src = SourceLayers(source.config, shape.window)
     hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
 
     def tensors_of(i):
@@ -86,7 +87,7 @@ def main():
         mla = compress_layer(w, layer_metrics(w, acc.result()), method, rope_dim, ranks[k])
         layers = [SimpleNamespace(kv_lora_rank=r, rope_dim=rope_dim, freq_index=list(mla.freq_index)) for r in ranks]
         runner = MLALayers(mla_config(source.config, shape, layers, torch.float32))
-        out = mla_layer_tensors(k, mla, torch.float32, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"])
+        out = mla_layer_tensors(k, mla, torch.float32, q_bias=shape.qkv_bias, kv_a_bias=shape.qkv_bias)
         out |= {n: t for n, t in tensors.items() if ".self_attn." not in n}
         for name, settings in VARIANTS.items():
             block = runner.layer(k, dict(out))

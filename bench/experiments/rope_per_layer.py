@@ -25,14 +25,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quality_sweep import build_model  # noqa: E402
 
+from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.assemble import read_attention  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
-from mlakit.convert.families import attention_shape  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
 from mlakit.convert.pipeline import ConvertOptions, method_of  # noqa: E402
-from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.convert.rank_plan import FISHER_STEP, kl_curve, plan_ranks, spend_leftovers  # noqa: E402
 from mlakit.convert.source import open_source  # noqa: E402
+from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.data import load_text, tokenize_text  # noqa: E402
 from mlakit.eval.perplexity import sliding_windows, window_nll  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> None:
     ws = [read_attention(source, i, shape) for i in range(n)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
     method = method_of(opts, shape)
-    v_max = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    v_max = 2 * shape.num_kv_heads * shape.head_dim
     for frac in (float(b) for b in args.budgets.split(",")):
         budget = int(frac * n * v_max)
         layers, plan = build_layers(ws, ms, shape, ConvertOptions(kv_budget=frac, lowrank_method="rrr"))

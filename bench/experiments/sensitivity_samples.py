@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
+from mlakit.arch.families import attention_shape
 from mlakit.convert import calibration
 from mlakit.convert.assemble import read_attention
-from mlakit.convert.families import attention_shape
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.rank_plan import allocate_ranks, budget_layout
@@ -38,9 +38,9 @@ def main() -> None:
     n = source.config.num_hidden_layers
     ws = [read_attention(source, i, shape) for i in range(n)]
     method = method_of(opts, shape)
-    per_layer_src = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    per_layer_src = 2 * shape.num_kv_heads * shape.head_dim
     for frac in (0.3125, 0.125):
-        d_r, rank_budget = budget_layout(n, shape["num_kv_heads"], shape["head_dim"], int(frac * n * per_layer_src))
+        d_r, rank_budget = budget_layout(n, shape.num_kv_heads, shape.head_dim, int(frac * n * per_layer_src))
         ranks = {}
         for name, sens in (("all 16", per_seq.mean(0)), ("0-7", per_seq[:8].mean(0)), ("8-15", per_seq[8:].mean(0))):
             ms = [layer_metrics(w, dataclasses.replace(s, sensitivity=float(v))) for w, s, v in zip(ws, stats, sens)]

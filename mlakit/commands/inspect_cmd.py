@@ -14,6 +14,7 @@ from .common import user_errors, verbosity_options
 from .option_flags import option_flags
 
 if TYPE_CHECKING:
+    from ..arch.families import AttentionShape
     from ..options import ConvertOptions
 
 # The conversion modules (torch, transformers) are imported in the functions that use them, so that
@@ -25,14 +26,14 @@ REPORT_JSON, FIGURE_PNG = "inspect.json", "spectra.png"
 THRESHOLDS = (0.9, 0.99)
 
 
-def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
+def _check_budget_fits(kv_budget: float, shape: AttentionShape, n_layers: int) -> None:
     """Fail before calibrating when the budget cannot hold the shared rope dims plus rank 4 per layer."""
     from ..convert.pipeline import ConversionError
     from ..convert.rank_plan import budget_rope_dim
 
-    per_layer = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    per_layer = 2 * shape.num_kv_heads * shape.head_dim
     budget = int(kv_budget * n_layers * per_layer)
-    d_r = budget_rope_dim(shape["num_kv_heads"], shape["head_dim"], budget / n_layers)
+    d_r = budget_rope_dim(shape.num_kv_heads, shape.head_dim, budget / n_layers)
     need = n_layers * (d_r + 4)
     if budget < need:
         raise ConversionError(
@@ -42,7 +43,7 @@ def _check_budget_fits(kv_budget: float, shape: dict, n_layers: int) -> None:
         )
 
 
-def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
+def _plan(ws, ms, shape: AttentionShape, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     from ..convert.inspect_model import latent_energy_kept
     from ..convert.settings import method_of
@@ -65,7 +66,7 @@ def _plan(ws, ms, shape: dict, opts: ConvertOptions) -> dict:
         "allocation": plan["allocation"],
         "budget_values_per_token": plan["budget_values_per_token"],
         "values_per_token": sum(r["values_per_token"] for r in rows),
-        "source_values_per_token": len(rows) * 2 * shape["num_kv_heads"] * shape["head_dim"],
+        "source_values_per_token": len(rows) * 2 * shape.num_kv_heads * shape.head_dim,
         "rope_dim": plan["rope_dim"],
         "layers": rows,
     }
@@ -76,12 +77,12 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     import torch
     from tqdm.auto import tqdm
 
+    from ..arch.families import attention_shape
     from ..convert.assemble import read_attention
-    from ..convert.families import attention_shape
     from ..convert.inspect_model import layer_spectra, spectra_summary
     from ..convert.layer_metrics import layer_metrics
-    from ..convert.whole_model import calibrate
     from ..convert.source import open_source
+    from ..convert.whole_model import calibrate
 
     start = time.time()
     torch.manual_seed(opts.seed)
@@ -101,10 +102,10 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     ]
     return {
         "source": str(src),
-        "architecture": shape["family"],
+        "architecture": shape.family,
         "num_layers": n_layers,
-        **{k: shape[k] for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size")},
-        "kv_dims_per_layer": 2 * shape["num_kv_heads"] * shape["head_dim"],
+        **{k: getattr(shape, k) for k in ("num_heads", "num_kv_heads", "head_dim", "hidden_size")},
+        "kv_dims_per_layer": 2 * shape.num_kv_heads * shape.head_dim,
         "calibration": {
             "data": opts.calib,
             "samples": opts.calib_samples,

@@ -10,14 +10,14 @@ from collections.abc import Iterable
 
 import torch
 
+from ..arch import names
+from ..arch.families import AttentionShape
 from ..mla_model.configuration_mla import MLAConfig
-from .families import LAYER_PREFIX
 from .mla_layer import AttentionWeights, MLAWeights
 from .source import Source, SourceError
 
-__all__ = ["ATTN_PROJ", "IGNORED_BUFFERS", "check_finite_tensors", "check_source_tensors", "is_ignored_buffer", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
+__all__ = ["check_finite_tensors", "check_source_tensors", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
 
-ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _DROP_CONFIG_KEYS = (
     "architectures", "model_type", "auto_map", "quantization_config", "sliding_window", "use_sliding_window",
     "max_window_layers", "layer_types", "transformers_version", "_name_or_path", "attention_bias", "dtype",
@@ -25,21 +25,12 @@ _DROP_CONFIG_KEYS = (
 )
 
 
-def _augmented(source: Source, prefix: str, name: str, with_bias: bool) -> torch.Tensor:
-    weight = source.tensor(f"{prefix}self_attn.{name}.weight").double()
-    bias = source.tensor(f"{prefix}self_attn.{name}.bias").double() if with_bias else None
+def _augmented(source: Source, layer: int, name: str, with_bias: bool) -> torch.Tensor:
+    weight = source.tensor(names.attn_name(layer, name)).double()
+    bias = source.tensor(names.attn_name(layer, name, "bias")).double() if with_bias else None
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=torch.float64)
     return torch.cat([weight, bias[:, None]], dim=1)
-
-
-# Buffers some checkpoints carry that the model recomputes (older HF Llama exports save each
-# layer's rotary table): read by neither pipeline.
-IGNORED_BUFFERS = ("rotary_emb.inv_freq",)
-
-
-def is_ignored_buffer(name: str) -> bool:
-    return name.endswith(IGNORED_BUFFERS)
 
 
 def check_source_tensors(source: Source) -> None:
@@ -52,14 +43,14 @@ def check_source_tensors(source: Source) -> None:
         expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(source.config).state_dict().items()}
     tied = getattr(source.config, "tie_word_embeddings", False)
     if tied:
-        expected.pop("lm_head.weight", None)
-    names = set(source.tensor_names())
-    missing = sorted(set(expected) - names)
+        expected.pop(names.LM_HEAD, None)
+    present = set(source.tensor_names())
+    missing = sorted(set(expected) - present)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise SourceError(f"{source.spec}: tensor {missing[0]} is missing from the checkpoint{more}; "
                           f"the checkpoint is incomplete, re-download or re-export it")
-    unknown = sorted(n for n in names - set(expected) if not is_ignored_buffer(n) and not (tied and n == "lm_head.weight"))
+    unknown = sorted(n for n in present - set(expected) if not names.is_ignored_buffer(n) and not names.is_dropped_head(n, tied))
     if unknown:
         arch = type(source.config).__name__.removesuffix("Config")
         raise SourceError(
@@ -79,78 +70,79 @@ def check_source_tensors(source: Source) -> None:
 def check_finite_tensors(source: Source) -> None:
     """Read every source tensor once (one at a time): a NaN or infinity is a SourceError naming it."""
     for name in source.tensor_names():
-        if not is_ignored_buffer(name):
+        if not names.is_ignored_buffer(name):
             source.tensor(name)  # Source.tensor checks each tensor it returns
 
 
-def read_attention(source: Source, layer: int, shape: dict) -> AttentionWeights:
-    prefix = LAYER_PREFIX.format(i=layer)
-    qkv_bias = shape["qkv_bias"]
-    o_bias = source.tensor(f"{prefix}self_attn.o_proj.bias") if shape["o_bias"] else None
+def read_attention(source: Source, layer: int, shape: AttentionShape) -> AttentionWeights:
+    qkv_bias = shape.qkv_bias
+    o_bias = source.tensor(names.attn_name(layer, names.O_PROJ, "bias")) if shape.o_bias else None
     return AttentionWeights(
-        q=_augmented(source, prefix, "q_proj", qkv_bias),
-        k=_augmented(source, prefix, "k_proj", qkv_bias),
-        v=_augmented(source, prefix, "v_proj", qkv_bias),
-        o=source.tensor(f"{prefix}self_attn.o_proj.weight"),
+        q=_augmented(source, layer, names.Q_PROJ, qkv_bias),
+        k=_augmented(source, layer, names.K_PROJ, qkv_bias),
+        v=_augmented(source, layer, names.V_PROJ, qkv_bias),
+        o=source.tensor(names.attn_name(layer, names.O_PROJ)),
         o_bias=o_bias,
-        num_heads=shape["num_heads"],
-        num_kv_heads=shape["num_kv_heads"],
-        head_dim=shape["head_dim"],
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
     )
 
 
 def mla_layer_tensors(layer: int, w: MLAWeights, dtype: torch.dtype, q_bias: bool, kv_a_bias: bool) -> dict:
-    p = LAYER_PREFIX.format(i=layer) + "self_attn."
+    def name(module: str, kind: str = "weight") -> str:
+        return names.attn_name(layer, module, kind)
+
     out = {
-        f"{p}q_proj.weight": w.q_proj[:, :-1],
-        f"{p}kv_a_proj_with_mqa.weight": w.kv_a_proj_with_mqa[:, :-1],
-        f"{p}kv_b_proj.weight": w.kv_b_proj,
-        f"{p}o_proj.weight": w.o_proj,
+        name(names.Q_PROJ): w.q_proj[:, :-1],
+        name(names.KV_A_PROJ): w.kv_a_proj_with_mqa[:, :-1],
+        name(names.KV_B_PROJ): w.kv_b_proj,
+        name(names.O_PROJ): w.o_proj,
     }
     if q_bias:
-        out[f"{p}q_proj.bias"] = w.q_proj[:, -1]
+        out[name(names.Q_PROJ, "bias")] = w.q_proj[:, -1]
     if kv_a_bias:
-        out[f"{p}kv_a_proj_with_mqa.bias"] = w.kv_a_proj_with_mqa[:, -1]
+        out[name(names.KV_A_PROJ, "bias")] = w.kv_a_proj_with_mqa[:, -1]
     if w.o_bias is not None:
-        out[f"{p}o_proj.bias"] = w.o_bias
+        out[name(names.O_PROJ, "bias")] = w.o_bias
     return {k: v.to(dtype).contiguous() for k, v in out.items()}
 
 
 def copied_tensors(source: Source, num_layers: int, tie_embeddings: bool) -> Iterable[str]:
     """Names of source tensors that pass through unchanged (everything but attention projections)."""
     consumed = {
-        LAYER_PREFIX.format(i=i) + f"self_attn.{proj}.{kind}"
+        names.attn_name(i, proj, kind)
         for i in range(num_layers)
-        for proj in ATTN_PROJ
+        for proj in names.SOURCE_ATTN_PROJ
         for kind in ("weight", "bias")
     }
     for name in source.tensor_names():
-        if name in consumed or is_ignored_buffer(name):
+        if name in consumed or names.is_ignored_buffer(name):
             continue
-        if tie_embeddings and name == "lm_head.weight":
+        if names.is_dropped_head(name, tie_embeddings):
             continue
         yield name
 
 
-def mla_config(source_config, shape: dict, layers: list[MLAWeights], dtype: torch.dtype) -> MLAConfig:
+def mla_config(source_config, shape: AttentionShape, layers: list[MLAWeights], dtype: torch.dtype) -> MLAConfig:
     base = {k: v for k, v in source_config.to_dict().items() if k not in _DROP_CONFIG_KEYS}
-    base["head_dim"] = shape["head_dim"]
+    base["head_dim"] = shape.head_dim
     ranks = [w.kv_lora_rank for w in layers]
     rope_dims = [w.rope_dim for w in layers]
     uniform = len(set(ranks)) == 1 and len(set(rope_dims)) == 1
-    kv_a_bias = shape["qkv_bias"]
+    kv_a_bias = shape.qkv_bias
     config = MLAConfig(
         **base,
         kv_lora_rank=ranks[0] if uniform else ranks,
         qk_rope_head_dim=rope_dims[0] if uniform else rope_dims,
-        qk_nope_head_dim=shape["head_dim"],
-        v_head_dim=shape["head_dim"],
+        qk_nope_head_dim=shape.head_dim,
+        v_head_dim=shape.head_dim,
         rope_freq_index=[w.freq_index for w in layers],
-        softmax_scale=shape["head_dim"] ** -0.5,
-        q_proj_bias=shape["qkv_bias"],
+        softmax_scale=shape.head_dim ** -0.5,
+        q_proj_bias=shape.qkv_bias,
         kv_a_proj_bias=kv_a_bias,
-        o_proj_bias=shape["o_bias"],
-        attention_window=shape["window"],
+        o_proj_bias=shape.o_bias,
+        attention_window=shape.window,
     )
     config.architectures = ["MLAForCausalLM"]
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
@@ -165,7 +157,7 @@ def model_shapes(config: MLAConfig) -> dict[str, tuple[int, ...]]:
         model = MLAForCausalLM(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
+        shapes.pop(names.LM_HEAD, None)
     return shapes
 
 

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..arch.families import AttentionShape
+
 __all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LOGIT_ROWS", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
-           "layer_accumulator", "logit_gradient"]
+           "layer_accumulator", "logit_gradient", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +163,10 @@ class _Accumulator:
         return LayerStats(sigma / self.tokens, lag / q, self.inv_freq, self.tokens, self.sensitivity())
 
 
-def layer_accumulator(attn, inv_freq: torch.Tensor, shape: dict) -> _Accumulator:
+def layer_accumulator(attn, inv_freq: torch.Tensor, shape: AttentionShape) -> _Accumulator:
     """Statistics of one attention module ATTN: register its hooks with ``acc.attach()``, set
     ``acc.with_attention`` per batch, and read ``acc.result()`` after the last batch."""
-    return _Accumulator(attn, inv_freq, shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
+    return _Accumulator(attn, inv_freq, shape.num_heads, shape.num_kv_heads, shape.head_dim)
 
 
 def _sensitivity_pass(model, chunk: torch.Tensor, generator: torch.Generator) -> None:
@@ -197,12 +199,12 @@ def logit_gradient(head, hidden: torch.Tensor, generator: torch.Generator) -> to
             logits = head(rows)  # (rows, V)
             with torch.no_grad():
                 grad = logits.detach().float().softmax(-1)
-                grad[torch.arange(grad.shape[0]), _sample_rows(grad, generator)] -= 1
+                grad[torch.arange(grad.shape[0]), sample_rows(grad, generator)] -= 1
             logits.backward(grad.to(logits.dtype))
     return top.grad
 
 
-def _sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One index per row of PROBS (rows, V) drawn from that row's distribution (inverse CDF)."""
     cdf = probs.double().cumsum(-1).cpu()
     u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, generator=generator) * cdf[:, -1:]
@@ -234,7 +236,7 @@ def _forward_for_stats(model, ids: torch.Tensor, through_attention: bool) -> Non
 
 
 @torch.no_grad()
-def collect_stats(model, batches: torch.Tensor, shape: dict, batch_size: int = BATCH_SIZE,
+def collect_stats(model, batches: torch.Tensor, shape: AttentionShape, batch_size: int = BATCH_SIZE,
                   attention_samples: int = ATTENTION_SAMPLES, sensitivity_samples: int = 0,
                   device: str = "cpu", quiet: bool = False, seed: int = 0) -> list[LayerStats]:
     """Run MODEL (a transformers Llama-family causal LM) over BATCHES (N, L) and return per-layer stats.

@@ -44,10 +44,10 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
+from ..arch import names
 from .assemble import mla_layer_tensors, read_attention
 from .calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
 from .compress import compress_layer
-from .families import LAYER_PREFIX
 from .layer_metrics import layer_metrics
 from .layer_runner import MLALayers, SourceLayers
 from .rank_plan import error_curve, ranks_from_curves
@@ -77,7 +77,7 @@ class LayerDriver:
         self.on_layer = on_layer or (lambda phase, index: None)
         self.sequential = setup.stream.sequential
         src = setup.source
-        self.src_layers = SourceLayers(src.config, setup.shape["window"], setup.device)
+        self.src_layers = SourceLayers(src.config, setup.shape.window, setup.device)
         self.n_calib = 0 if setup.calib_ids is None else setup.calib_ids.shape[0]
         self.refining = setup.refine is not None and self.n_calib > 0
         # a converted hidden-state stream beside the source's: sequential statistics or refinement inputs
@@ -102,7 +102,7 @@ class LayerDriver:
         self._embed((SOURCE,))
         self.verify_src = self.verify_mla = None
         if self.verify:
-            emb = c.source.tensor("model.embed_tokens.weight")
+            emb = c.source.tensor(names.EMBED)
             ids = verify_token_ids(c.source.config.vocab_size)
             self.verify_src = emb.float()[ids].to(c.device)
             self.verify_mla = emb.to(c.dtype).float()[ids].to(c.device)
@@ -114,7 +114,7 @@ class LayerDriver:
         if not self.n_calib:
             return
         c = self.c
-        emb = c.source.tensor("model.embed_tokens.weight")
+        emb = c.source.tensor(names.EMBED)
         for base in streams:
             with self.store.writer(base) as sink:
                 for s in range(0, self.n_calib, c.batch_size):
@@ -320,7 +320,7 @@ class LayerDriver:
             metrics = layer_metrics(w, stats) if stats is not None else None
             mla = compress_layer(w, metrics, c.method, c.rope_dim, rank)
         del w, stats, metrics  # the float64 statistics are done with before the layer is written
-        out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape["qkv_bias"], kv_a_bias=c.shape["qkv_bias"])
+        out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})
         mla_layers.config.rope_freq_index[i] = list(mla.freq_index)
         record = {"layer": i, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.rope_dim,
@@ -344,13 +344,13 @@ class LayerDriver:
             ])
         del src_layer
         inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
-        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape["qkv_bias"], kv_a_bias=c.shape["qkv_bias"])
+        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         block = mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
         report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
                               progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
                                                           disable=c.opts.quiet, file=sys.stderr))
         if report["kept"] in ("o_proj refit", "adam"):
-            prefix = LAYER_PREFIX.format(i=i) + "self_attn."
+            prefix = names.attn_prefix(i)
             for name, t in block.self_attn.state_dict().items():
                 out[prefix + name] = t.detach().to(c.dtype).contiguous()
         return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Collection
 from dataclasses import fields, replace
 
+from ..arch.families import AttentionShape
 from ..choices import TARGETS
 
 __all__ = [
@@ -122,26 +123,26 @@ def _default(opts, name: str):
     return next(f.default for f in fields(opts) if f.name == name)
 
 
-def check_target_shape(opts, shape: dict) -> None:
+def check_target_shape(opts, shape: AttentionShape) -> None:
     """Refuse ``target vllm`` for a source whose cache is no larger than 512 + 64 (before any work)."""
     if opts.target != "vllm":
         return
-    G, d = shape["num_kv_heads"], shape["head_dim"]
+    G, d = shape.num_kv_heads, shape.head_dim
     source = 2 * G * d
     width = VLLM_MLA_RANK + VLLM_MLA_ROPE_DIM
     if source <= width:
         raise TargetError(
-            f"--target vllm: this {shape['family']} caches {source} values per token per layer ({G} KV heads x "
+            f"--target vllm: this {shape.family} caches {source} values per token per layer ({G} KV heads x "
             f"head_dim {d}, keys and values), and vLLM's MLA kernels take exactly {width} ({VLLM_MLA_RANK} latent + "
             f"{VLLM_MLA_ROPE_DIM} rope; the GPU Triton backend also takes r + d_R = 320 or 512), so MLA cannot "
             f"save KV memory for it in vLLM. Serve the source model itself with vLLM (its cache is the smaller "
             f"one), or drop --target and serve the native checkpoint with mlakit's vLLM plugin (`vllm serve OUT`), "
             f"which zero-pads every layer to {width} values: {width / source:.2f}x the source's cache"
         )
-    if shape["hidden_size"] + 1 < VLLM_MLA_RANK:  # the latent is a projection of [x; 1]
+    if shape.hidden_size + 1 < VLLM_MLA_RANK:  # the latent is a projection of [x; 1]
         raise TargetError(
             f"--target vllm: the latent is a projection of the hidden state, so with hidden_size "
-            f"{shape['hidden_size']} no layer can use more than {shape['hidden_size'] + 1} of vLLM's "
+            f"{shape.hidden_size} no layer can use more than {shape.hidden_size + 1} of vLLM's "
             f"{VLLM_MLA_RANK} latent dims; drop --target and serve the native checkpoint with mlakit's vLLM "
             f"plugin (`vllm serve OUT`), which zero-pads the latent to {VLLM_MLA_RANK}"
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..arch import names
+
 __all__ = ["MLALayers", "SourceLayers"]
 
 # what from_pretrained picks on CPU and CUDA, so calibration matches the in-memory pipeline's
@@ -67,7 +69,7 @@ class SourceLayers:
         """Decoder layer INDEX with weights from TENSORS (full checkpoint names), float32."""
         with torch.device("meta"):
             module = self._layer_cls(self.config, layer_idx=index)
-        return _attach(module, tensors, f"model.layers.{index}.", self.device)
+        return _attach(module, tensors, names.layer_prefix(index), self.device)
 
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -89,7 +91,7 @@ class SourceLayers:
         float32 on the layers' device, weights frozen."""
         with torch.device("meta"):
             norm = type(self.skeleton.model.norm)(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm = _attach(norm, tensors, "model.norm.", self.device).requires_grad_(False)
+        norm = _attach(norm, tensors, names.FINAL_NORM_PREFIX, self.device).requires_grad_(False)
         weight = tensors[head].to(self.device, torch.float32)
         return lambda hidden: nn.functional.linear(norm(hidden), weight)
 
@@ -109,7 +111,7 @@ class MLALayers:
 
         with torch.device("meta"):
             module = MLADecoderLayer(self.config, index)
-        return _attach(module, tensors, f"model.layers.{index}.", self.device)
+        return _attach(module, tensors, names.layer_prefix(index), self.device)
 
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -118,11 +120,11 @@ class MLALayers:
 
     def forward(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``run`` in the caller's grad mode (a layer-wise refinement backpropagates through it)."""
-        from ..mla_model.modeling_mla import _AttentionMask
+        from ..mla_model.modeling_mla import AttentionMask
 
         B, L, _ = hidden.shape
         position_ids = torch.arange(L, device=self.device)[None].expand(B, L)
-        mask = _AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
+        mask = AttentionMask(None, B, 0, L, self.config.attention_window, self.device)
         return layer(hidden, self.rotary(hidden, position_ids), mask, None)
 
     @torch.no_grad()
@@ -131,5 +133,5 @@ class MLALayers:
 
         with torch.device("meta"):
             norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        norm = _attach(norm, tensors, "model.norm.", self.device)
+        norm = _attach(norm, tensors, names.FINAL_NORM_PREFIX, self.device)
         return nn.functional.linear(norm(hidden), tensors[head].to(self.device, torch.float32)).cpu()

@@ -49,11 +49,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ..arch.names import MLA_ATTN_PROJ
+
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "RefineSettings", "attention_residual",
            "layer_loss", "refine_layer"]
 
 REFINE_LOSSES = ("attention", "block")
-ATTENTION_PARAMS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
 # A start already at float32 rounding (the full-rank conversion reproduces the source to ~1e-13
 # relative squared error) is left untouched: there is nothing to compensate, and a bit-exact
 # conversion must stay bit-exact. Any real compression error is many orders above it.

@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .settings import effective_recipe
-from .writer import AUTO_MAP, write_json, write_modeling_code
+from .writer import AUTO_MAP, write_modeling_code
 
 __all__ = ["conversion_report", "write_side_files", "write_tokenizer_files"]
 
@@ -14,10 +14,10 @@ __all__ = ["conversion_report", "write_side_files", "write_tokenizer_files"]
 def conversion_report(src: str, setup, opts, plan: dict, layers: list[dict], pipeline: dict) -> dict:
     """The report of converting SRC: settings, plan, each layer's shape, the driver's PIPELINE facts."""
     shape = setup.shape
-    per_layer = 2 * shape["num_kv_heads"] * shape["head_dim"]
+    per_layer = 2 * shape.num_kv_heads * shape.head_dim
     return {
         "source": str(src),
-        "source_architecture": shape["family"],
+        "source_architecture": shape.family,
         "settings": asdict(opts) | {"dtype": str(setup.dtype).replace("torch.", "")},
         "source_kv_values_per_token_per_layer": per_layer,
         "plan": plan,

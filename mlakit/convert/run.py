@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from ..arch.families import attention_shape
 from .assemble import check_shapes, mla_config
 from .driver import LayerDriver
 from .engine_target import fit_target
-from .families import attention_shape
 from .output_dir import OutputExistsError, check_output, claim_output, local_paths
 from .report import conversion_report, write_side_files
 from .run_state import ConversionSetup, LayerRecord, StreamOptions

@@ -11,10 +11,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .assemble import check_source_tensors, is_ignored_buffer, mla_config, model_shapes
+from ..arch import names
+from ..arch.families import attention_shape
+from .assemble import check_source_tensors, mla_config, model_shapes
 from .calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats
 from .engine_target import check_target_shape
-from .families import LAYER_PREFIX, attention_shape
 from .fingerprint import content_fingerprint
 from .mla_layer import AttentionWeights
 from .rank_plan import budget_layout, uniform_ranks
@@ -25,8 +26,8 @@ from .settings import (
     check_ranks,
     method_of,
     needs_calibration,
-    resolve_dtype,
     refine_settings,
+    resolve_dtype,
     resolve_lowrank,
     sensitivity_sequences,
 )
@@ -99,7 +100,7 @@ class ConversionSetup:
         self.device = opts.device
         self.method = method_of(opts, shape)
         self.refine = refine_settings(opts)  # None: no layer-wise refinement
-        G, d = shape["num_kv_heads"], shape["head_dim"]
+        G, d = shape.num_kv_heads, shape.head_dim
         self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}
         if opts.kv_budget is not None:
@@ -132,21 +133,22 @@ class ConversionSetup:
                                                     stream.max_memory, opts.device, sweep)
             except ValueError as exc:
                 raise ConversionError(str(exc)) from exc
-        names = source.tensor_names()
+        present = source.tensor_names()
         self.layer_names = [
-            [m for m in names if m.startswith(LAYER_PREFIX.format(i=i)) and not is_ignored_buffer(m)] for i in range(n)
+            [m for m in present if m.startswith(names.layer_prefix(i)) and not names.is_ignored_buffer(m)]
+            for i in range(n)
         ]
         in_layers = {m for ns in self.layer_names for m in ns}
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.global_names = [
-            m for m in names
-            if m not in in_layers and not is_ignored_buffer(m) and not (self.tied and m == "lm_head.weight")
+            m for m in present
+            if m not in in_layers and not names.is_ignored_buffer(m) and not names.is_dropped_head(m, self.tied)
         ]
-        self.head_name = "model.embed_tokens.weight" if self.tied or "lm_head.weight" not in names else "lm_head.weight"
+        self.head_name = names.head_weight(present, self.tied)
 
     def norm_and_head(self) -> dict[str, torch.Tensor]:
         """The source's final norm weight and LM head (key ``head``), as ``SourceLayers.head`` reads them."""
-        return {"model.norm.weight": self.source.tensor("model.norm.weight"), "head": self.source.tensor(self.head_name)}
+        return {names.FINAL_NORM: self.source.tensor(names.FINAL_NORM), "head": self.source.tensor(self.head_name)}
 
     def fingerprint(self) -> dict:
         """What must match for a work directory to be resumed."""
@@ -163,7 +165,7 @@ class ConversionSetup:
 
     def placeholder_config(self, ranks: list[int]):
         """The MLA config of RANKS with the rope frequencies still unknown (they fix no tensor shape)."""
-        half = self.shape["head_dim"] // 2
+        half = self.shape.head_dim // 2
         layers = [LayerRecord(r, self.rope_dim, [j % half for j in range(self.rope_dim // 2)]) for r in ranks]
         return mla_config(self.source.config, self.shape, layers, self.dtype)
 
@@ -172,17 +174,17 @@ class ConversionSetup:
         shapes = model_shapes(self.placeholder_config(ranks))
         per_layer = []
         for i in range(self.n):
-            prefix = LAYER_PREFIX.format(i=i)
-            attn = sorted(k for k in shapes if k.startswith(prefix + "self_attn."))
-            rest = sorted(k for k in shapes if k.startswith(prefix) and not k.startswith(prefix + "self_attn."))
-            copied = [m for m in self.layer_names[i] if ".self_attn." not in m]
+            prefix, attn_prefix = names.layer_prefix(i), names.attn_prefix(i)
+            attn = sorted(k for k in shapes if k.startswith(attn_prefix))
+            rest = sorted(k for k in shapes if k.startswith(prefix) and not k.startswith(attn_prefix))
+            copied = [m for m in self.layer_names[i] if not m.startswith(attn_prefix)]
             if sorted(copied) != rest:
                 raise ConversionError(
                     f"layer {i}: source tensors {sorted(set(copied) ^ set(rest))[:5]} do not match "
                     f"the MLA model's; is {self.source.spec} a complete checkpoint?"
                 )
             per_layer.append(attn + rest)
-        glob = sorted(k for k in shapes if not k.startswith("model.layers."))
+        glob = sorted(k for k in shapes if not k.startswith(names.LAYERS_PREFIX))
         if sorted(self.global_names) != glob:
             raise ConversionError(
                 f"source tensors {sorted(set(self.global_names) ^ set(glob))[:5]} do not match "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..arch.families import AttentionShape
 from ..choices import DTYPE_NAMES
 from .calibration import SENSITIVITY_SAMPLES
 from .compress import Method
@@ -51,9 +52,9 @@ def resolve_dtype(name: str, source_config) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_ranks(opts: ConvertOptions, shape: dict) -> tuple[int, int]:
+def check_ranks(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:
     """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim)."""
-    G, d = shape["num_kv_heads"], shape["head_dim"]
+    G, d = shape.num_kv_heads, shape.head_dim
     rope_full = G * d
     if opts.rope_dim == "full":
         rope_dim = rope_full
@@ -100,15 +101,15 @@ def resolve_allocation(opts: ConvertOptions) -> ConvertOptions:
 AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
 
 
-def cached_share(opts: ConvertOptions, shape: dict) -> float:
+def cached_share(opts: ConvertOptions, shape: AttentionShape) -> float:
     """The converted cache as a share of the source's: the budget, or (rank + rope dims) / (2 G d)."""
     if opts.kv_budget is not None:
         return float(opts.kv_budget)
     rank, rope_dim = check_ranks(opts, shape)
-    return (rank + rope_dim) / (2 * shape["num_kv_heads"] * shape["head_dim"])
+    return (rank + rope_dim) / (2 * shape.num_kv_heads * shape.head_dim)
 
 
-def resolve_lowrank(opts: ConvertOptions, shape: dict) -> ConvertOptions:
+def resolve_lowrank(opts: ConvertOptions, shape: AttentionShape) -> ConvertOptions:
     """OPTS with ``--lowrank-method auto`` made concrete (``AUTO_RRR_FROM``)."""
     if opts.lowrank_method != "auto":
         return opts
@@ -139,16 +140,16 @@ def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> to
     return calibration_batches(tokenizer, opts.calib, opts.calib_samples, opts.calib_seq_len, opts.seed, flag="--calib")
 
 
-def budget_values(opts: ConvertOptions, shape: dict, n_layers: int) -> int:
+def budget_values(opts: ConvertOptions, shape: AttentionShape, n_layers: int) -> int:
     """Checked --kv-budget and --allocation: the budget in cached values per token over all layers."""
     if not 0 < opts.kv_budget <= 1:
         raise ConversionError(f"--kv-budget must be a fraction in (0, 1]; got {opts.kv_budget}")
     if opts.allocation not in ALLOCATIONS:
         raise ConversionError(f"allocation {opts.allocation!r} is not one of {', '.join(ALLOCATIONS)}")
-    return int(opts.kv_budget * n_layers * 2 * shape["num_kv_heads"] * shape["head_dim"])
+    return int(opts.kv_budget * n_layers * 2 * shape.num_kv_heads * shape.head_dim)
 
 
-def method_of(opts: ConvertOptions, shape: dict) -> Method:
+def method_of(opts: ConvertOptions, shape: AttentionShape) -> Method:
     """The per-layer method of OPTS for a model of SHAPE; a bad combination is a ConversionError."""
     opts = resolve_lowrank(opts, shape)
     try:
@@ -157,11 +158,11 @@ def method_of(opts: ConvertOptions, shape: dict) -> Method:
         raise ConversionError(str(exc)) from exc
 
 
-def needs_calibration(opts: ConvertOptions, shape: dict) -> bool:
+def needs_calibration(opts: ConvertOptions, shape: AttentionShape) -> bool:
     if opts.kv_budget is not None:
         return True
     rank, rope_dim = check_ranks(opts, shape)
-    full = shape["num_kv_heads"] * shape["head_dim"]
+    full = shape.num_kv_heads * shape.head_dim
     return not (rope_dim == full and rank == 2 * full - rope_dim)
 
 

@@ -5,19 +5,18 @@ reads of source checkpoints live here."""
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import importlib.util
 import json
 import logging
 import re
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .families import family_for
+from ..arch import names
+from ..arch.families import family_for
+from .gguf_patch import parse_gguf_once
 from .stream_memory import return_free_memory
 
 __all__ = [
@@ -65,6 +64,15 @@ class Source:
     _shapes: dict = field(default_factory=dict, repr=False)  # name -> shape, of the safetensors tensors
     _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
     _tokenizer: object = field(default=None, repr=False)
+
+    def add_shard(self, path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Register the safetensors file PATH, holding tensors name -> shape SHAPES, for lazy reads."""
+        self._shards.update(dict.fromkeys(shapes, path))
+        self._shapes.update(shapes)
+
+    def add_tensors(self, tensors: dict) -> None:
+        """Hold TENSORS (name -> tensor, e.g. a loaded pickle) in memory."""
+        self._tensors.update(tensors)
 
     def load_model(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         """The source as a plain transformers causal LM, in eval mode."""
@@ -240,8 +248,7 @@ def _open_dir(directory: Path, spec: str) -> Source:
                     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
             except Exception as exc:
                 raise SourceError(f"{shard} is corrupt or truncated ({exc}); re-download the checkpoint") from exc
-            source._shards.update(dict.fromkeys(shapes, shard))
-            source._shapes.update(shapes)
+            source.add_shard(shard, shapes)
         return source
     bins = sorted(directory.glob("pytorch_model*.bin")) + sorted(directory.glob("*.pt"))
     if not bins:
@@ -256,73 +263,8 @@ def _open_dir(directory: Path, spec: str) -> Source:
             ) from exc
         if not isinstance(state, dict):
             raise SourceError(f"{path} does not hold a state dict of tensors")
-        source._tensors.update(state)
+        source.add_tensors(state)
     return source
-
-
-def _file_in_memory(path, mode="r", *args, **kwargs):
-    """``numpy.memmap`` for gguf's reader: a read-only file is read into memory instead of mapped.
-    The reader slices its map once per metadata value, and a memmap slice costs microseconds of
-    Python where an array slice costs a fraction of one, and a vocabulary holds tens of thousands of
-    entries (the "open" phase of bench/convert_cost.py times it; results in bench/results/). Every
-    tensor is dequantized anyway."""
-    import numpy as np
-
-    if mode != "r" or args or kwargs:
-        return np.memmap(path, mode, *args, **kwargs)
-    data = np.fromfile(path, dtype=np.uint8)
-    data.flags.writeable = False  # as a read-only map
-    return data
-
-
-@contextlib.contextmanager
-def _parse_gguf_once():
-    """Inside this block, reading one GGUF file with transformers parses it once, from memory.
-
-    transformers parses the whole file (tens of thousands of vocabulary strings) separately for the
-    config, the weights and the tokenizer, and rebuilds gguf's tensor-name map for every submodule
-    of the model: most of the time opening a GGUF model took (the "open" phase of
-    bench/convert_cost.py; results in bench/results/). Here a path gives the same parsed (read-only)
-    reader each time, parsed from the file's bytes in memory (``_file_in_memory``), its metadata is
-    turned into Python values once (a copy is handed out, so nobody pays for it twice), and the
-    name map is built once per architecture. If a transformers or gguf release reads GGUF files
-    differently, nothing is shared and nothing breaks."""
-    import gguf
-    import gguf.gguf_reader as reader_module
-    from transformers import modeling_gguf_pytorch_utils as hf_gguf
-
-    reader_class, name_map, numpy_module = gguf.GGUFReader, gguf.get_tensor_name_map, reader_module.np
-    load_checkpoint = hf_gguf.load_gguf_checkpoint
-    numpy_in_memory = types.SimpleNamespace(**vars(numpy_module))
-    numpy_in_memory.memmap = _file_in_memory
-    readers = {}
-
-    def shared_reader(path, *args, **kwargs):
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            reader_module.np = numpy_in_memory
-            try:
-                readers[key] = reader_class(path, *args, **kwargs)
-            finally:
-                reader_module.np = numpy_module
-        return readers[key]
-
-    metadata = {}
-
-    def shared_metadata(path, return_tensors=False, **kwargs):
-        if return_tensors or kwargs:
-            return load_checkpoint(path, return_tensors, **kwargs)
-        if str(path) not in metadata:
-            metadata[str(path)] = load_checkpoint(path, False)
-        return copy.deepcopy(metadata[str(path)])
-
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
-    hf_gguf.load_gguf_checkpoint = shared_metadata
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = reader_class, name_map
-        hf_gguf.load_gguf_checkpoint = load_checkpoint
 
 
 def _open_gguf(path: Path, spec: str) -> Source:
@@ -330,7 +272,7 @@ def _open_gguf(path: Path, spec: str) -> Source:
 
     log.info("dequantizing %s", path)
     try:
-        with _parse_gguf_once():
+        with parse_gguf_once():
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
@@ -342,7 +284,7 @@ def _open_gguf(path: Path, spec: str) -> Source:
     family_for(config)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
+        state.pop(names.LM_HEAD, None)
     return_free_memory()  # the parsed file
     return Source(spec=spec, config=config, directory=None, gguf_file=path, _tensors=state, _model=model,
                   _tokenizer=tokenizer)
@@ -355,5 +297,5 @@ def load_source_model(spec: str, dtype: torch.dtype = torch.float32, device: str
         source = Source(spec=str(spec), config=None, gguf_file=path)
     else:
         source = Source(spec=str(spec), config=_read_config(path, str(spec)), directory=path)
-    with _parse_gguf_once() if kind == "gguf" else contextlib.nullcontext():
+    with parse_gguf_once() if kind == "gguf" else contextlib.nullcontext():
         return source.load_model(dtype, device), source.tokenizer()

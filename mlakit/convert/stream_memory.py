@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from ..arch.families import AttentionShape
+
 __all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes", "estimate_sweep_bytes", "return_free_memory"]
 
 _F32, _F64 = 4, 8
@@ -60,9 +62,9 @@ def _dtype_bytes(config) -> int:
     return torch.empty((), dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32).element_size()
 
 
-def estimate_step_bytes(config, shape: dict, seq_len: int, batch: int, device: str = "cpu") -> dict:
+def estimate_step_bytes(config, shape: AttentionShape, seq_len: int, batch: int, device: str = "cpu") -> dict:
     """Bytes held by one layer step, by part (see the module docstring)."""
-    D, H, G, d = shape["hidden_size"], shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]
+    D, H, G, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     inter = config.intermediate_size
     params = 2 * D * H * d + 2 * D * G * d + 3 * D * inter + 2 * D
     X, rows = D + 1, 2 * G * d
@@ -88,10 +90,10 @@ def estimate_step_bytes(config, shape: dict, seq_len: int, batch: int, device: s
     return parts
 
 
-def estimate_sweep_bytes(config, shape: dict, seq_len: int, sequences: int, logit_rows: int,
+def estimate_sweep_bytes(config, shape: AttentionShape, seq_len: int, sequences: int, logit_rows: int,
                          device: str = "cpu") -> dict:
     """Bytes held by the fisher backward sweep at its peak (the last layer, with the LM head), by part."""
-    D, V = shape["hidden_size"], config.vocab_size
+    D, V = shape.hidden_size, config.vocab_size
     one = estimate_step_bytes(config, shape, seq_len, 1, device)
     rows = min(logit_rows, seq_len)
     parts = {
@@ -109,7 +111,7 @@ def estimate_sweep_bytes(config, shape: dict, seq_len: int, sequences: int, logi
 
 
 def choose_batch_size(
-    config, shape: dict, seq_len: int, batch_max: int, max_memory: int | None, device: str = "cpu",
+    config, shape: AttentionShape, seq_len: int, batch_max: int, max_memory: int | None, device: str = "cpu",
     sweep: dict | None = None,
 ) -> int:
     """The largest calibration batch (<= BATCH_MAX sequences) whose estimated peak fits MAX_MEMORY bytes.

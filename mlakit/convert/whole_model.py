@@ -6,9 +6,12 @@ let a bench try many settings on one calibration.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tqdm.auto import tqdm
 
+from ..arch.families import AttentionShape
 from .assemble import copied_tensors, mla_layer_tensors
 from .calibration import collect_stats
 from .compress import compress_layer
@@ -24,6 +27,9 @@ from .settings import (
 )
 from .source import Source
 
+if TYPE_CHECKING:
+    from ..options import ConvertOptions
+
 __all__ = ["assemble_state", "build_layers", "calibrate"]
 
 
@@ -31,7 +37,7 @@ def _progress(iterable, desc: str, quiet: bool, total: int | None = None):
     return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False)
 
 
-def calibrate(source: Source, shape: dict, opts: ConvertOptions):
+def calibrate(source: Source, shape: AttentionShape, opts: ConvertOptions):
     """Per-layer statistics from the calibration text."""
     model = source.load_model(torch.float32, opts.device)
     ids = calibration_ids(source, opts, model.config.vocab_size)
@@ -39,7 +45,7 @@ def calibrate(source: Source, shape: dict, opts: ConvertOptions):
                          seed=opts.seed)
 
 
-def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True, fisher_step: float = FISHER_STEP):
+def build_layers(ws, ms, shape: AttentionShape, opts: ConvertOptions, quiet: bool = True, fisher_step: float = FISHER_STEP):
     """MLA layers from source attention weights WS and per-layer metrics MS (None: data-free).
     FISHER_STEP: how far ``--allocation fisher`` moves from uniform ranks (``rank_plan.allocate_ranks``).
 
@@ -63,12 +69,12 @@ def build_layers(ws, ms, shape: dict, opts: ConvertOptions, quiet: bool = True, 
     return layers, {}
 
 
-def assemble_state(source: Source, shape: dict, layers, dtype) -> dict:
+def assemble_state(source: Source, shape: AttentionShape, layers, dtype) -> dict:
     """The MLA state dict: converted attention plus every other source tensor unchanged."""
     config = source.config
     state = {}
     for i, mla in enumerate(layers):
-        state.update(mla_layer_tensors(i, mla, dtype, q_bias=shape["qkv_bias"], kv_a_bias=shape["qkv_bias"]))
+        state.update(mla_layer_tensors(i, mla, dtype, q_bias=shape.qkv_bias, kv_a_bias=shape.qkv_bias))
     tie = bool(getattr(config, "tie_word_embeddings", False))
     for name in copied_tensors(source, config.num_hidden_layers, tie):
         state[name] = source.tensor(name).to(dtype).contiguous()

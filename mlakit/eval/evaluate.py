@@ -34,7 +34,7 @@ from .perplexity import sliding_window_perplexity
 from .samples import DEFAULT_PROMPTS, greedy_continuations
 from .tasks import TaskSettings, prepare_tasks, score_tasks, task_rows, task_settings_dict
 
-__all__ = ["EvalSettings", "eval_figures", "layer_ranks", "run_eval", "token_ids_digest"]
+__all__ = ["EvalSettings", "eval_figures", "layer_ranks", "run_eval", "sweep_labels", "token_ids_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _evaluate_model(
     }
 
 
-def _sweep_labels(paths: list[Path]) -> list[str]:
+def sweep_labels(paths: list[Path]) -> list[str]:
     """Directory names, widened with parent folders until they are unique."""
     depth = 1
     while True:
@@ -215,7 +215,7 @@ def run_eval(s: EvalSettings) -> dict:
 
     converted = []
     sweep = len(converted_dirs) > 1
-    labels = _sweep_labels(converted_dirs) if sweep else ["converted"]
+    labels = sweep_labels(converted_dirs) if sweep else ["converted"]
     for path, label, conversion in zip(converted_dirs, labels, conversions):
         logger.info("loading converted %s", path)
         model = load_converted_model(path, dtype, device)

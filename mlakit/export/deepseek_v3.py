@@ -48,6 +48,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..arch.names import (
+    DOWN_PROJ,
+    GATE_PROJ,
+    KV_A_NORM,
+    KV_A_PROJ,
+    KV_B_PROJ,
+    O_PROJ,
+    Q_A_NORM,
+    Q_A_PROJ,
+    Q_B_PROJ,
+    Q_PROJ,
+    UP_PROJ,
+    attn,
+    mlp,
+)
 from .engine_rules import ExportError, check_biases, check_rope_scaling
 
 __all__ = [
@@ -275,9 +290,9 @@ def layer_tensors(
     Returns (tensors, facts for the report)."""
     r, s = plan.rank, plan.residual
     order = rope_row_order(freq_index, plan.stride)
-    q_w = t["self_attn.q_proj.weight"][_q_rows(plan, order)] * plan.q_scale
-    q_b = t.get("self_attn.q_proj.bias")
-    kv_w, kv_b = t["self_attn.kv_a_proj_with_mqa.weight"], t.get("self_attn.kv_a_proj_with_mqa.bias")
+    q_w = t[attn(Q_PROJ)][_q_rows(plan, order)] * plan.q_scale
+    q_b = t.get(attn(Q_PROJ, "bias"))
+    kv_w, kv_b = t[attn(KV_A_PROJ)], t.get(attn(KV_A_PROJ, "bias"))
     if not plan.keep_biases:
         kv_b = None
     alpha, weight = identity_norm_scale(
@@ -287,21 +302,20 @@ def layer_tensors(
     row_scale = torch.cat(
         [torch.full((r,), alpha, dtype=torch.float64), torch.ones(plan.rope_dim, dtype=torch.float64)]
     )
-    a = f"{prefix}self_attn."
     out = {
-        f"{a}kv_a_proj_with_mqa.weight": kv_w[kv_rows] * row_scale[:, None],
-        f"{a}kv_a_layernorm.weight": torch.full((r,), weight, dtype=torch.float64),
-        f"{a}kv_b_proj.weight": t["self_attn.kv_b_proj.weight"],
-        f"{a}o_proj.weight": t["self_attn.o_proj.weight"] * s,
-        f"{prefix}mlp.gate_proj.weight": t["mlp.gate_proj.weight"],
-        f"{prefix}mlp.up_proj.weight": t["mlp.up_proj.weight"],
-        f"{prefix}mlp.down_proj.weight": t["mlp.down_proj.weight"] * s,
+        prefix + attn(KV_A_PROJ): kv_w[kv_rows] * row_scale[:, None],
+        prefix + attn(KV_A_NORM): torch.full((r,), weight, dtype=torch.float64),
+        prefix + attn(KV_B_PROJ): t[attn(KV_B_PROJ)],
+        prefix + attn(O_PROJ): t[attn(O_PROJ)] * s,
+        prefix + mlp(GATE_PROJ): t[mlp(GATE_PROJ)],
+        prefix + mlp(UP_PROJ): t[mlp(UP_PROJ)],
+        prefix + mlp(DOWN_PROJ): t[mlp(DOWN_PROJ)] * s,
     }
     facts = {"latent_alpha": alpha, "kv_a_layernorm_weight": weight}
     if plan.keep_biases:
-        out[f"{a}kv_a_proj_with_mqa.bias"] = kv_b[kv_rows] * row_scale
-        o_b = t.get("self_attn.o_proj.bias")
-        out[f"{a}o_proj.bias"] = (
+        out[prefix + attn(KV_A_PROJ, "bias")] = kv_b[kv_rows] * row_scale
+        o_b = t.get(attn(O_PROJ, "bias"))
+        out[prefix + attn(O_PROJ, "bias")] = (
             o_b if o_b is not None else torch.zeros(q_w.shape[1], dtype=torch.float64)
         ) * s
     if plan.q_through_lora:  # q = [W_q | b_q] [x; 1] through an identity q_a_layernorm
@@ -309,16 +323,16 @@ def layer_tensors(
         x_max2 = float(input_norm.double().abs().max()) ** 2 * hidden
         q_alpha, q_weight = identity_norm_scale((x_max2 + 1) / (hidden + 1), plan.eps)
         eye = torch.cat([torch.eye(hidden, dtype=torch.float64), torch.zeros(1, hidden, dtype=torch.float64)])
-        out[f"{a}q_a_proj.weight"] = eye * q_alpha
-        out[f"{a}q_a_proj.bias"] = torch.cat(
+        out[prefix + attn(Q_A_PROJ)] = eye * q_alpha
+        out[prefix + attn(Q_A_PROJ, "bias")] = torch.cat(
             [torch.zeros(hidden, dtype=torch.float64), torch.tensor([q_alpha], dtype=torch.float64)]
         )
-        out[f"{a}q_a_layernorm.weight"] = torch.full((hidden + 1,), q_weight, dtype=torch.float64)
+        out[prefix + attn(Q_A_NORM)] = torch.full((hidden + 1,), q_weight, dtype=torch.float64)
         q_bias = q_b[_q_rows(plan, order)] * plan.q_scale
-        out[f"{a}q_b_proj.weight"] = torch.cat([q_w, q_bias[:, None]], dim=1)
+        out[prefix + attn(Q_B_PROJ)] = torch.cat([q_w, q_bias[:, None]], dim=1)
         facts |= {"q_alpha": q_alpha, "q_a_layernorm_weight": q_weight}
     else:
-        out[f"{a}q_proj.weight"] = q_w
+        out[prefix + attn(Q_PROJ)] = q_w
     return out, facts
 
 

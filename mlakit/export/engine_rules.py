@@ -10,6 +10,7 @@ README.md beside the weights) what vLLM would make of it.
 
 from __future__ import annotations
 
+from ..arch.families import AttentionShape
 from ..choices import BIAS_POLICIES, ROPE_SCALING_POLICIES
 from ..convert.engine_target import TARGETS, VLLM_MLA_RANK, VLLM_MLA_ROPE_DIM, VLLM_MLA_WIDTHS
 
@@ -141,14 +142,14 @@ def engine_readme(problems: list[str]) -> str:
     )
 
 
-def check_source_for_export(source_config, shape: dict, opts) -> None:
+def check_source_for_export(source_config, shape: AttentionShape, opts) -> None:
     """Refuse, before a conversion starts, a source whose deepseek-v3 export OPTS (ExportOptions) would refuse.
 
     SHAPE: the source's ``attention_shape``."""
     if opts.target not in TARGETS:
         raise ExportError(f"--target {opts.target!r} is not one of {', '.join(TARGETS)}")
-    present = (["q_proj_bias", "kv_a_proj_bias"] if shape["qkv_bias"] else []) + (
-        ["o_proj_bias"] if shape["o_bias"] else []
+    present = (["q_proj_bias", "kv_a_proj_bias"] if shape.qkv_bias else []) + (
+        ["o_proj_bias"] if shape.o_bias else []
     )
     check_biases(dict.fromkeys(present, True), opts.biases)
     rope = (
@@ -156,7 +157,7 @@ def check_source_for_export(source_config, shape: dict, opts) -> None:
     )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     check_rope_scaling(rope_type, opts.rope_scaling)
-    check_window(shape["window"], source_config.max_position_embeddings, opts.clip_context)
+    check_window(shape.window, source_config.max_position_embeddings, opts.clip_context)
     if opts.target == "vllm":
         keep = bool(present) and opts.biases == "hf-exact"
         problems = vllm_problems(VLLM_MLA_RANK, VLLM_MLA_ROPE_DIM, {"rope_type": rope_type}, keep)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..arch import names
 from ..convert.engine_target import fit_target
 from ..convert.output_dir import check_output, claim_output, local_paths
 from ..convert.source import TOKENIZER_FILES, resolve_source
@@ -65,8 +66,8 @@ class _Native:
                 self._where.update(dict.fromkeys(f.keys(), path))
         if not self._where:
             raise ExportError(f"{self.directory} has no .safetensors weights")
-        with safe_open(str(self._where["model.embed_tokens.weight"]), framework="pt") as f:
-            self.dtype = f.get_tensor("model.embed_tokens.weight").dtype
+        with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
+            self.dtype = f.get_tensor(names.EMBED).dtype
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -84,16 +85,8 @@ def read_native(directory) -> _Native:
     return _Native(Path(directory))
 
 
-_LAYER_NAMES = (
-    "self_attn.q_proj.weight",
-    "self_attn.kv_a_proj_with_mqa.weight",
-    "self_attn.kv_b_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-_LAYER_BIASES = ("self_attn.q_proj.bias", "self_attn.kv_a_proj_with_mqa.bias", "self_attn.o_proj.bias")
+_LAYER_NAMES = tuple(names.attn(m) for m in names.MLA_ATTN_PROJ) + tuple(names.mlp(m) for m in names.MLP_PROJ)
+_LAYER_BIASES = tuple(names.attn(m, "bias") for m in (names.Q_PROJ, names.KV_A_PROJ, names.O_PROJ))
 
 
 def _stock_state(native: _Native, plan, dtype) -> tuple[dict, list[dict], dict]:
@@ -102,24 +95,24 @@ def _stock_state(native: _Native, plan, dtype) -> tuple[dict, list[dict], dict]:
     s = plan.residual
     state, facts, dropped = {}, [], {}
     for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
+        p = names.layer_prefix(i)
         t = {k: native.tensor(p + k) for k in _LAYER_NAMES}
         for k in _LAYER_BIASES:
             if native.has(p + k):
                 t[k] = native.tensor(p + k)
                 if not plan.keep_biases:
                     dropped[p + k] = float(t[k].abs().max())
-        norm_in = native.tensor(p + "input_layernorm.weight")
+        norm_in = native.tensor(p + names.norm(names.INPUT_NORM))
         layer, fact = layer_tensors(plan, t, cfg.rope_freq_index[i], norm_in, p)
-        layer[p + "input_layernorm.weight"] = norm_in
-        layer[p + "post_attention_layernorm.weight"] = native.tensor(p + "post_attention_layernorm.weight")
+        layer[p + names.norm(names.INPUT_NORM)] = norm_in
+        layer[p + names.norm(names.POST_ATTN_NORM)] = native.tensor(p + names.norm(names.POST_ATTN_NORM))
         state.update({k: v.to(dtype).contiguous() for k, v in layer.items()})
         facts.append({"layer": i} | fact)
-    embed = native.tensor("model.embed_tokens.weight")
-    head = native.tensor("lm_head.weight") if native.has("lm_head.weight") else embed
-    state["model.embed_tokens.weight"] = (embed * s).to(dtype)
-    state["lm_head.weight"] = head.to(dtype).contiguous()  # untied: the final norm undoes s
-    state["model.norm.weight"] = native.tensor("model.norm.weight").to(dtype)
+    embed = native.tensor(names.EMBED)
+    head = native.tensor(names.LM_HEAD) if native.has(names.LM_HEAD) else embed
+    state[names.EMBED] = (embed * s).to(dtype)
+    state[names.LM_HEAD] = head.to(dtype).contiguous()  # untied: the final norm undoes s
+    state[names.FINAL_NORM] = native.tensor(names.FINAL_NORM).to(dtype)
     return state, facts, dropped
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from mlakit.data import BUILTIN_SPEC, DataSpecError, _parse_hf, load_text, tokenize_text
+from mlakit.data import BUILTIN_SPEC, DataSpecError, load_text, parse_hf, tokenize_text
 
 __all__ = ["PackedSequences", "RANDOM_SPEC", "open_training_data"]
 
@@ -162,7 +162,7 @@ class PackedSequences:
 
 def _hf_row_stream(spec: str, tokenizer):
     """A factory: epoch -> iterator of token-id lists, one per non-empty 'text' row."""
-    name, config, split = _parse_hf(spec, "calib")
+    name, config, split = parse_hf(spec, "calib")
     try:
         import datasets
     except ImportError as exc:  # pragma: no cover - datasets is a dependency
@@ -206,7 +206,7 @@ def open_training_data(
         ids = torch.randint(0, vocab_size, (max(RANDOM_TOKENS, (n_val + 64) * seq_len),), generator=gen)
         return PackedSequences(spec, seq_len, seed, n_val, ids=ids)
     if spec.startswith("hf:"):
-        _parse_hf(spec, "calib")  # a malformed spec is reported before a missing tokenizer
+        parse_hf(spec, "calib")  # a malformed spec is reported before a missing tokenizer
     elif spec != BUILTIN_SPEC and not Path(spec).expanduser().is_file():
         load_text(spec, "calib")  # raises the data module's error for this spec
     if tokenizer is None:

@@ -6,12 +6,13 @@ import math
 
 import torch
 
+from ..arch.names import MLA_ATTN_PROJ
 from ..choices import HEAL_TRAIN_CHOICES as TRAIN_CHOICES
 
 __all__ = ["ATTENTION_PARAMS", "TRAIN_CHOICES", "cosine_with_warmup", "select_trainable"]
 
 # MLA attention projections (DeepSeek names); their weights and biases are what `--train attention` trains.
-ATTENTION_PARAMS = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+ATTENTION_PARAMS = MLA_ATTN_PROJ
 MIN_LR_RATIO = 0.1  # the cosine ends at this fraction of the peak learning rate
 
 

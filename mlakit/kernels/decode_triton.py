@@ -217,7 +217,7 @@ if TRITON_AVAILABLE:
         tl.store(Out + pid_b * s_ob + pid_h * s_oh + offs_r * s_or, acc.to(Out.dtype.element_ty), mask=mask_r)
         tl.store(LSE + pid_b * s_lb + pid_h * s_lh, lse)
 
-    def _prune_configs(configs, named_args, **kwargs):
+    def prune_configs(configs, named_args, **kwargs):
         """Drop configs that waste a head or token tile or would spill registers.
 
         Register rule, calibrated on sm_90/sm_80 compiles (ptxas -res-usage) at r=512 and 128: the
@@ -241,7 +241,7 @@ if TRITON_AVAILABLE:
             kept.append(cfg)
         return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_H"], c.kwargs["BLOCK_N"], -c.num_warps))]
 
-    _CONFIGS = [
+    AUTOTUNE_CONFIGS = [
         triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=w, num_stages=st)
         for bh in (16, 32)
         for bn in (16, 32, 64)
@@ -249,9 +249,9 @@ if TRITON_AVAILABLE:
         for st in (1, 2)
     ]
     _mla_decode_split_autotuned = triton.autotune(
-        configs=_CONFIGS,
+        configs=AUTOTUNE_CONFIGS,
         key=["H", "R", "DR", "split_len_hint", "PAGED"],
-        prune_configs_by={"early_config_prune": _prune_configs},
+        prune_configs_by={"early_config_prune": prune_configs},
     )(_mla_decode_split_kernel)
     _INTERPRET = type(_mla_decode_split_kernel).__name__ == "InterpretedFunction"
 

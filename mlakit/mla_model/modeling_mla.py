@@ -37,7 +37,7 @@ try:
 except ImportError:  # transformers < 4.52
     _LayerBase = nn.Module
 
-__all__ = ["MLAAttention", "MLAForCausalLM", "MLAModel", "MLAPreTrainedModel"]
+__all__ = ["AttentionMask", "MLAAttention", "MLADecoderLayer", "MLAForCausalLM", "MLAModel", "MLAPreTrainedModel"]
 
 _TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -119,7 +119,7 @@ class MLAAttention(nn.Module):
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # (B, H, d)
 
 
-class _AttentionMask:
+class AttentionMask:
     """Causal + padding (+ sliding window) mask of one forward call.
 
     ``decode_bounds`` is (lengths, starts) when each row attends to one contiguous range of
@@ -235,7 +235,7 @@ class MLAModel(MLAPreTrainedModel):
             position_ids = (torch.arange(S, device=inputs_embeds.device) + past)[None].expand(B, S)
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("MLA models take a 2-D (batch, tokens) padding mask, not a prepared 4-D mask")
-        mask = _AttentionMask(attention_mask, B, past, S, self.config.attention_window, inputs_embeds.device)
+        mask = AttentionMask(attention_mask, B, past, S, self.config.attention_window, inputs_embeds.device)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden_states = inputs_embeds
         for layer in self.layers:

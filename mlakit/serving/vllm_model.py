@@ -19,7 +19,6 @@ What this model does itself rather than through vLLM's DeepSeek code, and why:
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 
 import torch
@@ -36,6 +35,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import LlamaMLP
 
+from ..arch import names
 from .served_config import MLAServedConfig
 from .served_shape import ServingError, check_window, pad_kv_a_proj, pad_kv_b_proj, pad_q_proj
 from .vllm_cpu_decode import batched_paged_decode
@@ -47,10 +47,9 @@ __all__ = ["MLAKitForCausalLM"]
 # A child of vLLM's "vllm" logger, which has vLLM's handlers: the served shape shows in vLLM's own log.
 logger = logging.getLogger(f"vllm.{__name__}")
 
-_ATTN_WEIGHT = re.compile(
-    r"model\.layers\.(\d+)\.self_attn\.(q_proj|kv_a_proj_with_mqa|kv_b_proj)\.(weight|bias)$"
-)
-_STACKED_MLP = (("gate_proj", 0), ("up_proj", 1))  # checkpoint name -> shard of vLLM's gate_up_proj
+# native attention tensors whose shape the served shape changes (o_proj's does not)
+_ATTN_WEIGHT = names.mla_attn_pattern((names.Q_PROJ, names.KV_A_PROJ, names.KV_B_PROJ))
+_STACKED_MLP = ((names.GATE_PROJ, 0), (names.UP_PROJ, 1))  # checkpoint name -> shard of vLLM's gate_up_proj
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,24 +96,24 @@ class MLAKitAttention(nn.Module):
             H * (self.d_nope + self.d_rope),
             bias=config.q_proj_bias,
             quant_config=quant,
-            prefix=f"{prefix}.q_proj",
+            prefix=f"{prefix}.{names.Q_PROJ}",
         )
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             D,
             self.rank + self.d_rope,
             bias=config.kv_a_proj_bias,
             quant_config=quant,
-            prefix=f"{prefix}.kv_a_proj_with_mqa",
+            prefix=f"{prefix}.{names.KV_A_PROJ}",
         )
         self.kv_b_proj = ColumnParallelLinear(
             self.rank,
             H * (self.d_nope + self.d_v),
             bias=False,
             quant_config=quant,
-            prefix=f"{prefix}.kv_b_proj",
+            prefix=f"{prefix}.{names.KV_B_PROJ}",
         )
         self.o_proj = RowParallelLinear(
-            H * self.d_v, D, bias=config.o_proj_bias, quant_config=quant, prefix=f"{prefix}.o_proj"
+            H * self.d_v, D, bias=config.o_proj_bias, quant_config=quant, prefix=f"{prefix}.{names.O_PROJ}"
         )
         self.attn = MLAAttention(
             num_heads=self.num_heads,
@@ -159,14 +158,14 @@ class MLAKitAttention(nn.Module):
 class MLAKitDecoderLayer(nn.Module):
     def __init__(self, config: MLAServedConfig, layer_idx: int, vllm_config: VllmConfig, prefix: str):
         super().__init__()
-        self.self_attn = MLAKitAttention(config, layer_idx, vllm_config, f"{prefix}.self_attn")
+        self.self_attn = MLAKitAttention(config, layer_idx, vllm_config, f"{prefix}.{names.SELF_ATTN}")
         self.mlp = LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
             quant_config=vllm_config.quant_config,
             bias=getattr(config, "mlp_bias", False),
-            prefix=f"{prefix}.mlp",
+            prefix=f"{prefix}.{names.MLP}",
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -240,9 +239,9 @@ class MLAKitForCausalLM(nn.Module):
         """A native attention weight of LAYER, zero-padded to the served shape (exact: see served_shape)."""
         c, s = self.config, self.shape
         rank, d_rope = s.native_kv_lora_rank[layer], s.native_rope_dim[layer]
-        if module == "q_proj":
+        if module == names.Q_PROJ:
             return pad_q_proj(tensor, c.num_attention_heads, c.qk_nope_head_dim, d_rope, s.rope_dim)
-        if module == "kv_a_proj_with_mqa":
+        if module == names.KV_A_PROJ:
             return pad_kv_a_proj(tensor, rank, d_rope, s.kv_lora_rank, s.rope_dim)
         return pad_kv_b_proj(tensor, s.kv_lora_rank)
 
@@ -250,13 +249,13 @@ class MLAKitForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if names.is_dropped_head(name, self.config.tie_word_embeddings):
                 continue  # the head is the embedding
             if match := _ATTN_WEIGHT.match(name):
                 tensor = self._pad(int(match[1]), match[2], tensor)
             shard = None
             for checkpoint_name, shard_id in _STACKED_MLP:
-                if f".mlp.{checkpoint_name}." in name:
+                if f".{names.MLP}.{checkpoint_name}." in name:
                     name, shard = name.replace(checkpoint_name, "gate_up_proj"), shard_id
                     break
             if name not in params:

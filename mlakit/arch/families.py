@@ -1,11 +1,14 @@
-"""Architecture knowledge as data: which source families convert, and how their
-attention biases and windows are spelt in their configs."""
+"""Architecture knowledge as data: which source families convert, how their attention biases and
+windows are spelt in their configs, and the attention shape a config implies. Every supported
+family shares the Llama tensor layout, whose names live in ``names``.
+
+Imports neither torch nor transformers (``tests/test_package_layout.py`` checks it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "Family", "UnsupportedModelError", "family_for", "attention_shape"]
+__all__ = ["FAMILIES", "AttentionShape", "Family", "UnsupportedModelError", "attention_shape", "family_for"]
 
 
 class UnsupportedModelError(ValueError):
@@ -26,13 +29,29 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("LlamaForCausalLM", qkv_bias="attention_bias", o_bias="attention_bias"),
         Family("MistralForCausalLM", qkv_bias=False, o_bias=False, window="sliding_window"),
-        Family("Qwen2ForCausalLM", qkv_bias=True, o_bias=False, window="sliding_window",
-               window_switch="use_sliding_window"),
+        Family(
+            "Qwen2ForCausalLM",
+            qkv_bias=True,
+            o_bias=False,
+            window="sliding_window",
+            window_switch="use_sliding_window",
+        ),
     )
 }
 
-# Attention layout every supported family shares (tensor names per layer).
-LAYER_PREFIX = "model.layers.{i}."
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention of a supported source config, as every conversion step reads it."""
+
+    family: str  # the config's architecture, a key of FAMILIES
+    num_heads: int  # query heads n_h
+    num_kv_heads: int  # key/value heads G (= num_heads for MHA)
+    head_dim: int  # d, even (rotary pairs)
+    hidden_size: int  # D
+    qkv_bias: bool  # q/k/v projections carry biases
+    o_bias: bool  # o_proj carries a bias
+    window: int | None  # sliding window applied to every layer, or None
 
 
 def _flag(config, rule) -> bool:
@@ -63,26 +82,28 @@ def family_for(config) -> Family:
     return fam
 
 
-def attention_shape(config) -> dict:
+def attention_shape(config) -> AttentionShape:
     """Head counts, dims and bias/window flags of a supported source config."""
     fam = family_for(config)
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     if n_heads % n_kv:
-        raise UnsupportedModelError(f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}")
+        raise UnsupportedModelError(
+            f"num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
+        )
     if head_dim % 2:
         raise UnsupportedModelError(f"head_dim={head_dim} is odd; rotary pairs need an even head_dim")
     window = getattr(config, fam.window, None) if fam.window else None
     if fam.window_switch and not _flag(config, fam.window_switch):
         window = None
-    return {
-        "family": fam.architecture,
-        "num_heads": n_heads,
-        "num_kv_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_size": config.hidden_size,
-        "qkv_bias": _flag(config, fam.qkv_bias),
-        "o_bias": _flag(config, fam.o_bias),
-        "window": window,
-    }
+    return AttentionShape(
+        family=fam.architecture,
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        hidden_size=config.hidden_size,
+        qkv_bias=_flag(config, fam.qkv_bias),
+        o_bias=_flag(config, fam.o_bias),
+        window=window,
+    )
