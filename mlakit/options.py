@@ -81,7 +81,7 @@ class ConvertOptions:
             description="With --kv-budget: the same rank in every layer (uniform), ranks that minimise the summed "
             "log errors (planned), or ranks half-way from uniform toward those of least KL from the source, as "
             "predicted from each layer's measured loss sensitivity (fisher; when streaming, a layer-by-layer "
-            "backward sweep). auto: fisher in memory, uniform when streaming or exporting to deepseek-v3."
+            "backward sweep). auto: fisher for every source and pipeline, uniform with --format deepseek-v3 (one rank for all layers)."
         ),
     ] = "auto"
     rope_method: Annotated[Literal[ROPE_METHODS], Field(description="How the rotary subspace is chosen.")] = (
