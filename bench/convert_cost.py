@@ -51,9 +51,9 @@ def forward_floor_s(src: str, recipe: str) -> float:
     calibration no method can skip. Measured in a child process, like the conversion."""
     code = (
         "import json, time, torch\n"
-        "from mlakit.convert import pipeline\n"
+        "from mlakit.pipeline import api as pipeline\n"
         "from mlakit.convert.calibration import BATCH_SIZE\n"
-        "from mlakit.convert.source import open_source\n"
+        "from mlakit.io.source import open_source\n"
         "from mlakit.recipes import Recipe\n"
         f"opts = Recipe.load({recipe!r}).to_options()\n"
         f"source = open_source({src!r})\n"

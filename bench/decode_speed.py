@@ -218,7 +218,7 @@ def time_decode(model, base: list[list[torch.Tensor]], context: int, batch: int,
 
 
 def get_converted(args, scratch: Path) -> Path:
-    from mlakit.convert.pipeline import ConvertOptions, convert
+    from mlakit.pipeline.api import ConvertOptions, convert
 
     path = args.converted or scratch / f"converted-r{args.kv_lora_rank}-dR{args.rope_dim}"
     if (path / "config.json").is_file():

@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from mlakit.convert.pipeline import convert
-from mlakit.convert.source import load_source_model
 from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_window_perplexity
 from mlakit.heal import HealOptions, heal
+from mlakit.io.source import load_source_model
 from mlakit.mla_model import load_converted
+from mlakit.pipeline.api import convert
 from mlakit.recipes import Recipe
 
 

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 
-from mlakit.convert.pipeline import convert
 from mlakit.heal import HealOptions, heal
 from mlakit.heal.loss import distill_loss
 from mlakit.heal.models import load_models, teacher_parts
 from mlakit.heal.schedule import select_trainable
+from mlakit.pipeline.api import convert
 from mlakit.recipes import Recipe
 
 

@@ -33,12 +33,12 @@ from pathlib import Path
 import torch
 from window_bootstrap import ScoredText
 
-from mlakit.convert.pipeline import ConvertOptions
-from mlakit.convert.run import run_conversion
-from mlakit.convert.run_state import StreamOptions
-from mlakit.convert.source import open_source
 from mlakit.data import load_text, tokenize_text
+from mlakit.io.source import open_source
 from mlakit.mla_model import MLAForCausalLM
+from mlakit.pipeline.api import ConvertOptions
+from mlakit.pipeline.run import run_conversion
+from mlakit.pipeline.run_state import StreamOptions
 
 # name -> (option overrides, sequential calibration)
 ROWS = {

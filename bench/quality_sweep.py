@@ -26,12 +26,12 @@ from window_bootstrap import ScoredText
 from mlakit.arch.families import attention_shape
 from mlakit.convert.assemble import mla_config, read_attention
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.pipeline import ConvertOptions
 from mlakit.convert.rank_plan import FISHER_STEP, budget_rope_dim
-from mlakit.convert.source import open_source
-from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.data import load_text, tokenize_text
+from mlakit.io.source import open_source
 from mlakit.mla_model import MLAForCausalLM
+from mlakit.pipeline.api import ConvertOptions
+from mlakit.pipeline.whole_model import assemble_state, build_layers, calibrate
 
 ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope, fisher step)
     "TransMLA (RoRoPE+FreqFold, BKV-PCA), uniform": ("transmla", "bkv_pca", "uniform", False, None),

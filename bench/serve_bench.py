@@ -289,7 +289,7 @@ def build_source(directory: Path, args) -> None:
 
 
 def convert_source(source: Path, out: Path) -> float:
-    from mlakit.convert.pipeline import ConvertOptions, convert
+    from mlakit.pipeline.api import ConvertOptions, convert
 
     start = time.perf_counter()
     convert(

@@ -2,7 +2,7 @@
 
 ``ConvertOptions`` is a frozen, validated pydantic dataclass. The same fields are read by
 
-- the Python API (``mlakit.convert.pipeline.convert(src, out, ConvertOptions(...))``);
+- the Python API (``mlakit.pipeline.api.convert(src, out, ConvertOptions(...))``);
 - the CLI: ``commands/option_flags.py`` makes each field a click flag (name, type, default,
   choices, range and help come from here);
 - recipes: a recipe is these fields serialised (``mlakit.recipes.Recipe``).

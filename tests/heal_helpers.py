@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import build_tiny
 
 ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")

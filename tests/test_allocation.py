@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from mlakit.arch.families import attention_shape
 from mlakit.cli import cli
 from mlakit.convert.calibration import collect_stats
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.rank_plan import damped_ranks, plan_ranks, spend_leftovers
-from mlakit.convert.source import open_source
+from mlakit.io.source import open_source
+from mlakit.pipeline.api import ConvertOptions, convert
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
 
@@ -94,7 +94,7 @@ def test_fisher_allocation_uses_sensitivities_and_the_cache_matches_the_plan(tin
 def test_auto_allocation_is_the_same_for_every_pipeline(tiny_sources, tmp_path):
     """--allocation auto resolves to one allocation (settings.AUTO_ALLOCATION) in memory and when
     streaming; fisher runs the statistics pass and the backward sweep, uniform one pass."""
-    from mlakit.convert.settings import AUTO_ALLOCATION
+    from mlakit.pipeline.settings import AUTO_ALLOCATION
 
     src = str(tiny_sources["llama_gqa"])
     args = ["convert", src, "--kv-budget", "0.4", "--calib", "random", "--calib-samples", "4",

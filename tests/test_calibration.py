@@ -9,7 +9,7 @@ import torch
 from mlakit.arch.families import AttentionShape, attention_shape
 from mlakit.convert import calibration
 from mlakit.convert.calibration import collect_stats, layer_accumulator, sample_rows
-from mlakit.convert.source import open_source
+from mlakit.io.source import open_source
 
 
 def _reference_moments(model, ids):

@@ -14,10 +14,10 @@ from mlakit.cli import cli
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.low_rank import bkv_metric, full_rank, metric_factor
 from mlakit.convert.mla_layer import AttentionWeights, convert_attention
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.convert.rank_plan import plan_ranks
 from mlakit.convert.rope_split import RopePlan
 from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConvertOptions, convert
 from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
 from tests.tiny_models import assert_close
 
@@ -195,7 +195,7 @@ def test_stock_rope_keeps_every_kth_frequency_once(tiny_sources, tmp_path, rope)
 
 
 def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp_path):
-    from mlakit.convert.pipeline import ConversionError
+    from mlakit.pipeline.api import ConversionError
 
     src = str(tiny_sources["llama_gqa"])  # head_dim 16: allowed rope dims 2, 4, 8, 16
     with pytest.raises(ConversionError, match=r"one of \[2, 4, 8, 16\]; got 12"):
@@ -209,7 +209,7 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
 
 # ---- --lowrank-method auto ------------------------------------------------------------------------
 def test_auto_lowrank_is_rrr_from_a_quarter_of_the_cache_and_bkv_pca_below():
-    from mlakit.convert.pipeline import AUTO_RRR_FROM, resolve_lowrank
+    from mlakit.pipeline.api import AUTO_RRR_FROM, resolve_lowrank
 
     shape = AttentionShape("LlamaForCausalLM", 4, 2, 16, 64, False, False, None)  # 64 cached values per token per layer
     assert AUTO_RRR_FROM == 0.25

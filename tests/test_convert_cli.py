@@ -62,8 +62,8 @@ def test_existing_output_needs_overwrite(tiny_sources, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(tiny_sources, tmp_path, monkeypatch):
-    import mlakit.convert.pipeline as pipeline
-    import mlakit.convert.report as report
+    import mlakit.pipeline.api as pipeline
+    import mlakit.pipeline.report as report
 
     def boom(*a, **k):
         raise KeyboardInterrupt
@@ -132,7 +132,7 @@ def test_corrupt_safetensors(tiny_sources, tmp_path, damage):
 def test_missing_tensor_is_reported_before_calibrating(tiny_sources, tmp_path, monkeypatch, pipeline_name, tensor):
     from safetensors.torch import save_file
 
-    from mlakit.convert import run_state
+    from mlakit.pipeline import run_state
 
     src = tmp_path / "src"
     shutil.copytree(tiny_sources["llama_gqa"], src)
@@ -203,7 +203,7 @@ def test_every_convert_flag_default_is_the_options_default():
     ],
 )
 def test_a_bad_recipe_fails_before_the_model_is_read(tiny_sources, tmp_path, monkeypatch, recipe, message):
-    from mlakit.convert import run as driver_run
+    from mlakit.pipeline import run as driver_run
 
     monkeypatch.setattr(driver_run, "open_source", lambda *a, **k: pytest.fail("the model was read"))
     (tmp_path / "r.yaml").write_text(recipe)

@@ -18,8 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mlakit.arch import AttentionShape
 from mlakit.cli import cli
 from mlakit.convert.engine_target import TargetError, check_target_shape, fit_target
-from mlakit.convert.pipeline import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.recipes import BUILTIN_RECIPES, Recipe
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
@@ -182,7 +182,7 @@ def test_both_pipelines_refuse_a_small_cache_before_calibrating(
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibration ran before the target was checked")
 
-    monkeypatch.setattr("mlakit.convert.run_state.calibration_ids", no_calibration)
+    monkeypatch.setattr("mlakit.pipeline.run_state.calibration_ids", no_calibration)
     opts = ConvertOptions(target="vllm", **CALIB)
     run = convert if pipeline == "in-memory" else convert_streaming
     with pytest.raises(TargetError, match="caches 64 values per token per layer"):

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlakit.cli import cli
-from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.eval_helpers import save_tiny_llama
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed: pip install 'mlakit[eval]'")

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 
 from mlakit import load_converted
 from mlakit.cli import cli
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.export import ExportError, ExportOptions, convert_to_format, export
 from mlakit.export.deepseek_v3 import (
     NORM_TARGET,
@@ -27,6 +26,7 @@ from mlakit.export.deepseek_v3 import (
     uniform,
 )
 from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import BLOCK_MLAKIT, assert_close, build_tiny
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)

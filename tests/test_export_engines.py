@@ -17,11 +17,11 @@ import torch
 
 from mlakit import load_converted
 from mlakit.arch import AttentionShape
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.export import ExportError, ExportOptions, convert_to_format, export
 from mlakit.export.deepseek_v3 import noop_yarn
 from mlakit.export.engine_rules import check_source_for_export, vllm_problems
 from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import BLOCK_MLAKIT, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -260,7 +260,7 @@ def test_convert_format_refuses_the_source_before_calibrating(
     def no_calibration(*args, **kwargs):
         raise AssertionError("calibration ran before the export's checks")
 
-    monkeypatch.setattr("mlakit.convert.run_state.calibration_ids", no_calibration)
+    monkeypatch.setattr("mlakit.pipeline.run_state.calibration_ids", no_calibration)
     opts = ConvertOptions(kv_budget=0.5, **CALIB)
     with pytest.raises(ExportError, match=match):
         convert_to_format("deepseek-v3", str(tiny_sources[family]), tmp_path / "x", opts)

@@ -116,8 +116,9 @@ def test_convert_shares_the_export_policy_flags():
 @pytest.fixture
 def no_reads(monkeypatch):
     """Fail the test if an export opens its native checkpoint or a conversion its source."""
-    from mlakit.convert import run, source
     from mlakit.export import run as export_run
+    from mlakit.io import source
+    from mlakit.pipeline import run
 
     def fail(*args, **kwargs):
         pytest.fail("a checkpoint was opened before the options were checked")

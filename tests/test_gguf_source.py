@@ -8,7 +8,7 @@ import gguf.gguf_reader as reader_module
 import numpy as np
 from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-from mlakit.convert.gguf_patch import parse_gguf_once
+from mlakit.io.gguf_patch import parse_gguf_once
 
 
 def _tiny_gguf(path):

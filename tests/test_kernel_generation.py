@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import assert_close
 
 pytest.importorskip("triton")

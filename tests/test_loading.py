@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import mlakit  # noqa: F401  (registers the Auto classes)
 from mlakit import MLAForCausalLM
-from mlakit.convert.pipeline import ConvertOptions, convert
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import BLOCK_MLAKIT, assert_close
 
 

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mlakit import load_converted
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.mla_model.modeling_mla import MLAAttention
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import FAMILY_BUILDERS, assert_close
 
 FAMILIES = list(FAMILY_BUILDERS)

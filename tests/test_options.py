@@ -89,7 +89,7 @@ def test_bad_values_name_the_flag_and_what_it_accepts(fields, message):
 def test_options_module_is_torch_free_and_recipes_do_not_import_the_pipeline():
     code = (
         "import sys, mlakit.options, mlakit.recipes, mlakit.commands.convert_cmd;"
-        "print(sorted(m for m in ('torch', 'transformers', 'mlakit.convert.pipeline') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'transformers', 'mlakit.pipeline.api') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
@@ -202,7 +202,8 @@ def test_from_options_keeps_the_recipe_fields_and_drops_the_run_fields():
 @pytest.fixture
 def no_source(monkeypatch):
     """Fail the test if a conversion opens or resolves a source."""
-    from mlakit.convert import run, source
+    from mlakit.io import source
+    from mlakit.pipeline import run
 
     def fail(*args, **kwargs):
         pytest.fail("the source was opened before the options were checked")

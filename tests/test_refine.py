@@ -12,9 +12,9 @@ from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attentio
 from mlakit.convert.calibration import layer_accumulator
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.layer_runner import MLALayers, SourceLayers
 from mlakit.convert.refine import RefineSettings, attention_residual, layer_loss, refine_layer
-from mlakit.convert.source import open_source
+from mlakit.io.source import open_source
+from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
 
 
 def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, loss: str = "attention"):

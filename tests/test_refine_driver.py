@@ -9,9 +9,9 @@ from dataclasses import fields
 import pytest
 import yaml
 
-from mlakit.convert.pipeline import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.convert.refine import RefineSettings
 from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.recipes import Recipe
 from tests import test_streaming
 from tests.convert_helpers import (

@@ -17,15 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mlakit.convert import run as run_module
-from mlakit.convert import pipeline, source
-from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
-from mlakit.convert.source import SourceError
-from mlakit.convert.verify import logit_report
-from mlakit.convert.work_dir import work_dir_for
-from mlakit.convert.writer import write_json
 from mlakit.data import DataSpecError
+from mlakit.io import source
+from mlakit.io.source import SourceError
+from mlakit.io.work_dir import work_dir_for
+from mlakit.io.writer import write_json
 from mlakit.options import OptionsError
+from mlakit.pipeline import api as pipeline
+from mlakit.pipeline import run as run_module
+from mlakit.pipeline.api import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
+from mlakit.pipeline.verify import logit_report
 from tests.convert_helpers import FAST, fast_args, run
 from tests.tiny_models import save_tiny_source
 

@@ -19,9 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlakit.cli import cli
-from mlakit.convert import report as report_module
-from mlakit.convert import run as run_module
-from mlakit.convert.output_dir import (
+from mlakit.io.output_dir import (
     PARTIAL_MARKER,
     OutputBusyError,
     OutputExistsError,
@@ -29,9 +27,10 @@ from mlakit.convert.output_dir import (
     claim_output,
     lock_path,
 )
-from mlakit.convert.pipeline import ConvertOptions, convert
-from mlakit.convert.pipeline import StreamOptions, convert_streaming
-from mlakit.convert.work_dir import work_dir_for
+from mlakit.io.work_dir import work_dir_for
+from mlakit.pipeline import report as report_module
+from mlakit.pipeline import run as run_module
+from mlakit.pipeline.api import ConvertOptions, StreamOptions, convert, convert_streaming
 from tests.convert_helpers import FAST, fast_args, run
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -125,7 +124,7 @@ def test_overwrite_refuses_a_directory_that_is_not_an_mlakit_output(tiny_sources
 _HOLD = """
 import sys, time
 from pathlib import Path
-from mlakit.convert.pipeline import ConvertOptions, convert_streaming
+from mlakit.pipeline.api import ConvertOptions, convert_streaming
 ready = Path(sys.argv[3])
 def hold_after_the_first_layer(phase, index):
     if (phase, index) == ("convert", 1):
@@ -186,7 +185,7 @@ def test_killed_in_memory_run_leftover_is_named_and_removed(tiny_sources, tmp_pa
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlakit.convert import pipeline, report
+        from mlakit.pipeline import api as pipeline, report
         def killed(directory):  # the weights are written: a model-sized partial directory
             os.kill(os.getpid(), signal.SIGKILL)
         report.write_modeling_code = killed
@@ -205,7 +204,7 @@ def test_killed_in_memory_run_leftover_is_named_and_removed(tiny_sources, tmp_pa
     decoy = tmp_path / ".out.partial-mine"  # same pattern, no marker: not ours
     decoy.mkdir()
     (decoy / "keep.txt").write_text("x")
-    with caplog.at_level(logging.WARNING, logger="mlakit.convert.output_dir"):
+    with caplog.at_level(logging.WARNING, logger="mlakit.io.output_dir"):
         convert(str(tiny_sources["llama_gqa"]), out, ConvertOptions(**FAST))
     assert not partial.exists() and (decoy / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert any(str(partial) in r.getMessage() and "killed" in r.getMessage() for r in caplog.records)

@@ -110,7 +110,7 @@ def test_shared_gguf_parse_gives_the_plain_transformers_weights_and_tokenizer(sm
     sharing) gives the same tensors and the same token ids."""
     from transformers import AutoModelForCausalLM
 
-    from mlakit.convert.source import default_gguf_path
+    from mlakit.io.source import default_gguf_path
 
     path = default_gguf_path()
     plain = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -131,8 +131,8 @@ def smollm2_both_pipelines(tmp_path_factory):
     bytes, not the quality, are under test here."""
     from safetensors.torch import save_file
 
-    from mlakit.convert.pipeline import ConvertOptions, convert, convert_streaming
-    from mlakit.convert.source import open_source
+    from mlakit.io.source import open_source
+    from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
 
     root = tmp_path_factory.mktemp("smollm2-pipelines")
     source = open_source("default")

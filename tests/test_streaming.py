@@ -15,11 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mlakit import load_converted
 from mlakit.cli import cli
-from mlakit.convert import pipeline
-from mlakit.convert.pipeline import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
-from mlakit.convert.run import choose_pipeline
-from mlakit.convert.shard_stream import ShardLayout, read_header
-from mlakit.convert.work_dir import work_dir_for
+from mlakit.io.shard_stream import ShardLayout, read_header
+from mlakit.io.work_dir import work_dir_for
+from mlakit.pipeline import api as pipeline
+from mlakit.pipeline.api import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
+from mlakit.pipeline.run import choose_pipeline
 from tests.convert_helpers import (
     Interrupt,
     assert_same_bytes,
@@ -134,8 +134,8 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     single backward pass through the whole model measures (same sequences, same sampled labels)."""
     from mlakit.arch.families import attention_shape
     from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
-    from mlakit.convert.pipeline import calibration_ids
-    from mlakit.convert.source import open_source
+    from mlakit.io.source import open_source
+    from mlakit.pipeline.api import calibration_ids
 
     opts = ConvertOptions(**SETTINGS["fisher"], **CALIB)
     report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
@@ -182,7 +182,7 @@ def test_killed_process_resumes_to_identical_output(deep_source, tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal
-        from mlakit.convert.pipeline import ConvertOptions, convert_streaming
+        from mlakit.pipeline.api import ConvertOptions, convert_streaming
         def kill_before_the_third(phase, index):
             if (phase, index) == ("convert", 2):
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -357,7 +357,7 @@ def test_max_memory_counts_the_fisher_sweep():
     that fits the step but not the sweep is refused up front, with the fix named."""
     from mlakit.arch.families import attention_shape
     from mlakit.convert.calibration import LOGIT_ROWS
-    from mlakit.convert.stream_memory import (
+    from mlakit.pipeline.stream_memory import (
         choose_batch_size,
         current_rss,
         estimate_step_bytes,

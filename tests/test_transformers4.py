@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.mla_model import load_converted
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.tiny_models import BLOCK_MLAKIT
 
 ROOT = Path(__file__).resolve().parent.parent

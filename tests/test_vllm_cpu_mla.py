@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mlakit.serving.vllm_cpu_decode import GATHER_BYTES, request_chunks, paged_latent_decode
+from mlakit.serving.vllm_cpu_decode import GATHER_BYTES, paged_latent_decode, request_chunks
 from mlakit.serving.vllm_cpu_mla import v_up_proj_contiguous, workaround_applies
 from tests.tiny_models import assert_close
 

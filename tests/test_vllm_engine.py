@@ -31,9 +31,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from mlakit.convert.pipeline import ConvertOptions, convert
 from mlakit.export.run import ExportOptions, export
 from mlakit.mla_model import MLAConfig, load_converted
+from mlakit.pipeline.api import ConvertOptions, convert
 from tests.vllm_runner import plugin_dist_info
 
 pytestmark = pytest.mark.engine

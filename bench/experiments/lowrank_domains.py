@@ -26,11 +26,11 @@ from quality_sweep import build_model  # noqa: E402
 from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.assemble import read_attention  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
-from mlakit.convert.pipeline import ConvertOptions  # noqa: E402
-from mlakit.convert.source import open_source  # noqa: E402
-from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.data import load_text, tokenize_text  # noqa: E402
 from mlakit.eval.perplexity import sliding_windows, window_nll  # noqa: E402
+from mlakit.io.source import open_source  # noqa: E402
+from mlakit.pipeline.api import ConvertOptions  # noqa: E402
+from mlakit.pipeline.whole_model import build_layers, calibrate  # noqa: E402
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 VIM_MANUAL = sorted(Path("/usr/share/vim/vim90/doc").glob("usr_[01]?.txt"))  # chapters 01-19

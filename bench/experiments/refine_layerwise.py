@@ -38,14 +38,14 @@ from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attentio
 from mlakit.convert.calibration import ATTENTION_SAMPLES, BATCH_SIZE, layer_accumulator
 from mlakit.convert.compress import compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.layer_runner import MLALayers, SourceLayers
-from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.refine import RefineSettings, attention_residual, refine_layer
-from mlakit.convert.source import open_source
-from mlakit.convert.whole_model import assemble_state, build_layers, calibrate
 from mlakit.data import load_text, tokenize_text
 from mlakit.eval.perplexity import sliding_windows, window_nll
+from mlakit.io.source import open_source
 from mlakit.mla_model import MLAForCausalLM
+from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of
+from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
+from mlakit.pipeline.whole_model import assemble_state, build_layers, calibrate
 
 # name -> (sequential calibration, refinement settings or None)
 ROWS = {

@@ -28,10 +28,10 @@ from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attentio
 from mlakit.convert.calibration import layer_accumulator
 from mlakit.convert.compress import compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.layer_runner import MLALayers, SourceLayers
-from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.refine import RefineSettings, attention_residual, layer_loss, refine_layer
-from mlakit.convert.source import open_source
+from mlakit.io.source import open_source
+from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of
+from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
 
 ADAM = dict(epochs=4.0, batch=4)  # 4 passes over the sequences, 4 per step
 VARIANTS = {

@@ -29,12 +29,12 @@ from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.assemble import read_attention  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
-from mlakit.convert.pipeline import ConvertOptions, method_of  # noqa: E402
 from mlakit.convert.rank_plan import FISHER_STEP, kl_curve, plan_ranks, spend_leftovers  # noqa: E402
-from mlakit.convert.source import open_source  # noqa: E402
-from mlakit.convert.whole_model import build_layers, calibrate  # noqa: E402
 from mlakit.data import load_text, tokenize_text  # noqa: E402
 from mlakit.eval.perplexity import sliding_windows, window_nll  # noqa: E402
+from mlakit.io.source import open_source  # noqa: E402
+from mlakit.pipeline.api import ConvertOptions, method_of  # noqa: E402
+from mlakit.pipeline.whole_model import build_layers, calibrate  # noqa: E402
 
 
 def envelope(curves: dict[int, torch.Tensor], v_max: int, min_rank: int = 4):

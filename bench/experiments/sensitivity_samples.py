@@ -18,9 +18,9 @@ from mlakit.arch.families import attention_shape
 from mlakit.convert import calibration
 from mlakit.convert.assemble import read_attention
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.pipeline import ConvertOptions, calibration_ids, method_of
 from mlakit.convert.rank_plan import allocate_ranks, budget_layout
-from mlakit.convert.source import open_source
+from mlakit.io.source import open_source
+from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def convert_command(
         )
     # imported here, not at the top: --help and usage errors answer without torch
     from ..convert.engine_target import fit_target
-    from ..convert.pipeline import StreamOptions, resolve_device, run_conversion
+    from ..pipeline.api import StreamOptions, resolve_device, run_conversion
 
     opts = replace(opts, device=resolve_device(opts.device))
     # a recipe's values that the target or the export cannot hold are replaced (logged), explicit flags refused

@@ -28,8 +28,8 @@ THRESHOLDS = (0.9, 0.99)
 
 def _check_budget_fits(kv_budget: float, shape: AttentionShape, n_layers: int) -> None:
     """Fail before calibrating when the budget cannot hold the shared rope dims plus rank 4 per layer."""
-    from ..convert.pipeline import ConversionError
     from ..convert.rank_plan import budget_rope_dim
+    from ..pipeline.api import ConversionError
 
     per_layer = 2 * shape.num_kv_heads * shape.head_dim
     budget = int(kv_budget * n_layers * per_layer)
@@ -46,8 +46,8 @@ def _check_budget_fits(kv_budget: float, shape: AttentionShape, n_layers: int) -
 def _plan(ws, ms, shape: AttentionShape, opts: ConvertOptions) -> dict:
     """The per-layer (kv_lora_rank, rope dims) that `convert --kv-budget` would build."""
     from ..convert.inspect_model import latent_energy_kept
-    from ..convert.settings import method_of
-    from ..convert.whole_model import build_layers
+    from ..pipeline.settings import method_of
+    from ..pipeline.whole_model import build_layers
 
     built, plan = build_layers(ws, ms, shape, opts, quiet=opts.quiet)
     method = method_of(opts, shape)
@@ -81,8 +81,8 @@ def inspect_source(src: str, opts: ConvertOptions, thresholds: tuple[float, ...]
     from ..convert.assemble import read_attention
     from ..convert.inspect_model import layer_spectra, spectra_summary
     from ..convert.layer_metrics import layer_metrics
-    from ..convert.source import open_source
-    from ..convert.whole_model import calibrate
+    from ..io.source import open_source
+    from ..pipeline.whole_model import calibrate
 
     start = time.time()
     torch.manual_seed(opts.seed)
@@ -274,9 +274,9 @@ def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_
         device=device,
         quiet=quiet,
     )
-    from ..convert.output_dir import atomic_output
-    from ..convert.run import resolve_device
-    from ..convert.writer import write_json
+    from ..io.output_dir import atomic_output
+    from ..io.writer import write_json
+    from ..pipeline.run import resolve_device
 
     opts = dataclasses.replace(opts, device=resolve_device(opts.device))  # auto: cuda when visible
     report = inspect_source(src, opts)

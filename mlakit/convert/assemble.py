@@ -12,9 +12,9 @@ import torch
 
 from ..arch import names
 from ..arch.families import AttentionShape
+from ..io.source import Source, SourceError
 from ..mla_model.configuration_mla import MLAConfig
 from .mla_layer import AttentionWeights, MLAWeights
-from .source import Source, SourceError
 
 __all__ = ["check_finite_tensors", "check_source_tensors", "mla_config", "mla_layer_tensors", "read_attention", "copied_tensors", "check_shapes", "model_shapes"]
 

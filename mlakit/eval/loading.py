@@ -1,6 +1,6 @@
 """Open the two models an evaluation compares, their tokenizer, device and dtype.
 
-The original goes through :func:`mlakit.convert.source.load_source_model` (HF directory,
+The original goes through :func:`mlakit.io.source.load_source_model` (HF directory,
 hub id, GGUF file or ``default``). A converted directory whose config is mlakit's own MLA
 model type goes through :func:`mlakit.mla_model.load_converted`; any other config (a
 stock ``deepseek_v3`` export, or a plain model) through ``AutoModelForCausalLM``, so the
@@ -121,7 +121,7 @@ def load_converted_model(path: str | Path, dtype: torch.dtype, device: torch.dev
 
 def load_original_model(spec: str, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer or None) for the original SPEC (directory, hub id, GGUF or ``default``)."""
-    from mlakit.convert.source import load_source_model
+    from mlakit.io.source import load_source_model
 
     return load_source_model(spec, dtype=dtype, device=str(device))
 

@@ -16,11 +16,11 @@ import torch
 
 from ..arch import names
 from ..convert.engine_target import fit_target
-from ..convert.output_dir import check_output, claim_output, local_paths
-from ..convert.source import TOKENIZER_FILES, resolve_source
-from ..convert.verify import VERIFY_TOKENS, logit_report, verify_token_ids
-from ..convert.writer import save_state_dict, write_json
 from ..export_options import EXPORT_FORMATS, ExportOptions
+from ..io.output_dir import check_output, claim_output, local_paths
+from ..io.source import TOKENIZER_FILES, resolve_source
+from ..io.writer import save_state_dict, write_json
+from ..pipeline.verify import VERIFY_TOKENS, logit_report, verify_token_ids
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
     ExportError,
@@ -227,7 +227,7 @@ def convert_to_format(
 ):
     """`convert --format`: native writes OUT directly; deepseek-v3 converts into a temporary native
     checkpoint beside OUT, exports it to OUT and removes the temporary one."""
-    from ..convert.pipeline import ConversionError, convert
+    from ..pipeline.api import ConversionError, convert
 
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")

@@ -65,8 +65,8 @@ def teacher_parts(teacher):
 
 def load_models(out: Path, teacher_spec: str, device):
     """(student on CPU in float32, frozen teacher on DEVICE, tokenizer or None, vocabulary size)."""
-    from mlakit.convert.source import SourceError, load_source_model
     from mlakit.eval.loading import load_tokenizer
+    from mlakit.io.source import SourceError, load_source_model
     from mlakit.mla_model import load_converted
 
     student = load_converted(out, torch.float32, "cpu")

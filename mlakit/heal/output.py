@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mlakit.convert.writer import save_state_dict, write_json
+from mlakit.io.writer import save_state_dict, write_json
 
 __all__ = [
     "HealError",
@@ -134,7 +134,7 @@ def save_checkpoint(accelerator, work_dir: Path, step: int, keep: int) -> Path:
 
 
 def _differences(saved: dict, run: dict) -> str:
-    from mlakit.convert.fingerprint import describe_fingerprint
+    from mlakit.io.fingerprint import describe_fingerprint
 
     parts = []
     for key in run:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mlakit.convert.output_dir import check_output, claim_output, local_paths
 from mlakit.heal_options import HealOptions
+from mlakit.io.output_dir import check_output, claim_output, local_paths
 
 from .data import open_training_data
 from .models import StudentWithLoss, heldout_loss, load_models, read_student_config, teacher_parts
@@ -101,8 +101,8 @@ def _run_settings(opts: HealOptions, out: Path, accelerator) -> dict:
     both models (same shapes but other weights would otherwise continue silently)."""
     from accelerate.utils import DistributedType
 
-    from mlakit.convert.fingerprint import content_fingerprint
-    from mlakit.convert.source import SourceError, resolve_source
+    from mlakit.io.fingerprint import content_fingerprint
+    from mlakit.io.source import SourceError, resolve_source
 
     try:
         _, teacher_path = resolve_source(opts.teacher)

@@ -6,7 +6,7 @@ validated by that model: a misspelt key or a bad value (a method name, a budget)
 The same objects work from Python and YAML::
 
     recipe = Recipe.load("smollm2-135m")          # a built-in name or a path to a .yaml file
-    opts = recipe.to_options(overwrite=True)      # ConvertOptions for mlakit.convert.pipeline.convert
+    opts = recipe.to_options(overwrite=True)      # ConvertOptions for mlakit.pipeline.api.convert
 
 Recipes written before the options were declared once nest some keys (``method: {rope, lowrank,
 fold, mixing, stock_rope}``, ``calibration: {data, samples, seq_len}``, ``null`` ranks next to a

@@ -45,18 +45,18 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arch import names
-from .assemble import mla_layer_tensors, read_attention
-from .calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
-from .compress import compress_layer
-from .layer_metrics import layer_metrics
+from ..convert.assemble import mla_layer_tensors, read_attention
+from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
+from ..convert.compress import compress_layer
+from ..convert.layer_metrics import layer_metrics
+from ..convert.rank_plan import error_curve, ranks_from_curves
+from ..convert.refine import attention_residual, refine_layer
+from ..io.shard_stream import Cursor, ShardStreamWriter
+from ..io.work_dir import HiddenStore, WorkDir
 from .layer_runner import MLALayers, SourceLayers
-from .rank_plan import error_curve, ranks_from_curves
-from .refine import attention_residual, refine_layer
 from .run_state import ConversionSetup, TensorDict, on_device
 from .settings import ConversionError
-from .shard_stream import Cursor, ShardStreamWriter
 from .verify import layerwise_report, verify_token_ids
-from .work_dir import HiddenStore, WorkDir
 
 __all__ = ["CONVERTED", "SOURCE", "LayerDriver"]
 

@@ -14,14 +14,14 @@ import torch
 
 from ..arch.families import AttentionShape
 from ..choices import DTYPE_NAMES
-from .calibration import SENSITIVITY_SAMPLES
-from .compress import Method
-from .rank_plan import ALLOCATIONS
-from .rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
+from ..convert.calibration import SENSITIVITY_SAMPLES
+from ..convert.compress import Method
+from ..convert.rank_plan import ALLOCATIONS
+from ..convert.rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
 
 if TYPE_CHECKING:
+    from ..io.source import Source
     from ..options import ConvertOptions
-    from .source import Source
 
 __all__ = [
     "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "ConversionError", "budget_values", "cached_share", "calibration_ids",
@@ -168,7 +168,7 @@ def needs_calibration(opts: ConvertOptions, shape: AttentionShape) -> bool:
 
 def refine_settings(opts: ConvertOptions):
     """The ``refine.RefineSettings`` of OPTS (None: ``--refine none``); a bad value is a ConversionError."""
-    from .refine import RefineSettings
+    from ..convert.refine import RefineSettings
 
     if opts.refine == "none":  # the options model admits only choices.REFINE_MODES
         return None

@@ -133,7 +133,7 @@ def _mismatch(old: dict, new: dict) -> str:
 def open_work_dir(work: WorkDir, fingerprint: dict, resume: bool) -> dict:
     """The state to continue from (resume only from the same source content and settings), or a
     fresh one in a new work directory."""
-    from .settings import ConversionError
+    from ..pipeline.settings import ConversionError
 
     state = work.state() if work.path.is_dir() else None
     if work.path.exists() and state is None:

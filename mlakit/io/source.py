@@ -16,8 +16,8 @@ import torch
 
 from ..arch import names
 from ..arch.families import family_for
+from ..pipeline.stream_memory import return_free_memory
 from .gguf_patch import parse_gguf_once
-from .stream_memory import return_free_memory
 
 __all__ = [
     "DEFAULT_MODEL", "Source", "SourceError", "default_gguf_path", "load_source_model", "open_source", "resolve_source",

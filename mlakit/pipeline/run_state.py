@@ -13,12 +13,13 @@ import torch
 
 from ..arch import names
 from ..arch.families import attention_shape
-from .assemble import check_source_tensors, mla_config, model_shapes
-from .calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats
-from .engine_target import check_target_shape
-from .fingerprint import content_fingerprint
-from .mla_layer import AttentionWeights
-from .rank_plan import budget_layout, uniform_ranks
+from ..convert.assemble import check_source_tensors, mla_config, model_shapes
+from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats
+from ..convert.engine_target import check_target_shape
+from ..convert.mla_layer import AttentionWeights
+from ..convert.rank_plan import budget_layout, uniform_ranks
+from ..io.fingerprint import content_fingerprint
+from ..io.shard_stream import ShardLayout
 from .settings import (
     ConversionError,
     budget_values,
@@ -31,7 +32,6 @@ from .settings import (
     resolve_lowrank,
     sensitivity_sequences,
 )
-from .shard_stream import ShardLayout
 from .stream_memory import choose_batch_size, estimate_sweep_bytes
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from ..io.writer import AUTO_MAP, write_modeling_code
 from .settings import effective_recipe
-from .writer import AUTO_MAP, write_modeling_code
 
 __all__ = ["conversion_report", "write_side_files", "write_tokenizer_files"]
 

@@ -12,10 +12,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arch.families import AttentionShape
-from .assemble import copied_tensors, mla_layer_tensors
-from .calibration import collect_stats
-from .compress import compress_layer
-from .rank_plan import FISHER_STEP, plan_budget
+from ..convert.assemble import copied_tensors, mla_layer_tensors
+from ..convert.calibration import collect_stats
+from ..convert.compress import compress_layer
+from ..convert.rank_plan import FISHER_STEP, plan_budget
+from ..io.source import Source
 from .settings import (
     ConversionError,
     budget_values,
@@ -25,7 +26,6 @@ from .settings import (
     resolve_allocation,
     sensitivity_sequences,
 )
-from .source import Source
 
 if TYPE_CHECKING:
     from ..options import ConvertOptions

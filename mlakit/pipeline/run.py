@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 
 from ..arch.families import attention_shape
-from .assemble import check_shapes, mla_config
+from ..convert.assemble import check_shapes, mla_config
+from ..convert.engine_target import fit_target
+from ..io.output_dir import OutputExistsError, check_output, claim_output, local_paths
+from ..io.shard_stream import read_header
+from ..io.source import SourceError, open_source, resolve_source
+from ..io.work_dir import WorkDir, open_work_dir, work_dir_for
+from ..io.writer import write_json
 from .driver import LayerDriver
-from .engine_target import fit_target
-from .output_dir import OutputExistsError, check_output, claim_output, local_paths
 from .report import conversion_report, write_side_files
 from .run_state import ConversionSetup, LayerRecord, StreamOptions
 from .settings import ConversionError, resolve_allocation
-from .shard_stream import read_header
-from .source import SourceError, open_source, resolve_source
-from .work_dir import WorkDir, open_work_dir, work_dir_for
-from .writer import write_json
 
 __all__ = ["PIPELINES", "choose_pipeline", "resolve_device", "run_conversion"]
 
