@@ -4,8 +4,6 @@ bad value is refused, naming the field and its flag, before the native checkpoin
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from mlakit.cli import cli
 from mlakit.export_options import ExportOptions
 from mlakit.option_schema import field_flag, flag_fields
 from mlakit.options import OptionsError
+from tests.cli_process import cli_in_fresh_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ExportOptions.__pydantic_fields__
@@ -167,15 +166,6 @@ def test_convert_format_refuses_contradicting_export_flags_before_the_source_is_
 def test_bad_export_values_are_refused_without_torch(tmp_path):
     """In a fresh interpreter: the refusal comes before torch or transformers is imported."""
     (tmp_path / "native").mkdir()
-    code = (
-        "import sys\n"
-        "from mlakit.cli import cli\n"
-        "try:\n"
-        f"    cli(['export', {str(tmp_path / 'native')!r}, {str(tmp_path / 'dest')!r}, '--dtype', 'fp16'])\n"
-        "except SystemExit as exc:\n"
-        "    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert proc.stderr.strip().endswith("1 False False"), proc.stderr
-    assert "--dtype (dtype) must not be float16" in proc.stderr
+    stderr = cli_in_fresh_interpreter(["export", str(tmp_path / "native"), str(tmp_path / "dest"), "--dtype", "fp16"])
+    assert stderr.strip().endswith("1 False False"), stderr
+    assert "--dtype (dtype) must not be float16" in stderr

@@ -4,8 +4,6 @@ value is refused, naming the field and its flag, before the student, teacher or 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from mlakit.cli import cli
 from mlakit.heal_options import HealOptions
 from mlakit.option_schema import field_flag, flag_fields
 from mlakit.options import OptionsError
+from tests.cli_process import cli_in_fresh_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = HealOptions.__pydantic_fields__
@@ -102,14 +101,7 @@ def test_bad_heal_flags_fail_before_anything_is_opened(monkeypatch, tmp_path, ar
 
 def test_bad_heal_values_are_refused_without_torch(tmp_path):
     (tmp_path / "student").mkdir()
-    code = (
-        "import sys\n"
-        "from mlakit.cli import cli\n"
-        "try:\n"
-        f"    cli(['heal', {str(tmp_path / 'student')!r}, {str(tmp_path / 'dest')!r}, '--teacher', 'x', '--data', ''])\n"
-        "except SystemExit as exc:\n"
-        "    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\n"
+    stderr = cli_in_fresh_interpreter(
+        ["heal", str(tmp_path / "student"), str(tmp_path / "dest"), "--teacher", "x", "--data", ""]
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
-    assert proc.stderr.strip().endswith("1 False False"), proc.stderr
+    assert stderr.strip().endswith("1 False False"), stderr

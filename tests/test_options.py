@@ -18,6 +18,7 @@ from mlakit.cli import cli
 from mlakit.commands.option_flags import FLAG_FIELDS
 from mlakit.options import RECIPE_FIELDS, ConvertOptions, OptionsError
 from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
+from tests.cli_process import cli_in_fresh_interpreter
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = ConvertOptions.__pydantic_fields__
@@ -262,21 +263,11 @@ def test_bad_flags_and_recipes_fail_before_the_source_is_opened(no_source, tmp_p
 
 def test_bad_values_are_refused_in_a_fraction_of_a_second_without_torch(tmp_path):
     """In a fresh interpreter: the refusal comes before torch or transformers is imported."""
-    code = (
-        "import sys, time\n"
-        "from mlakit.cli import cli\n"
-        "start = time.time()\n"
-        "try:\n"
-        f"    cli(['convert', {str(tmp_path / 'missing')!r}, {str(tmp_path / 'out')!r}, *sys.argv[1:]])\n"
-        "except SystemExit as exc:\n"
-        "    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)\n"
-    )
     for args in (["--calib-seq-len", "1"], ["--rope-dim", "7"], ["--recipe", str(tmp_path / "r.yaml")]):
         (tmp_path / "r.yaml").write_text("lowrank_method: best\n")
-        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT,
-                              timeout=60, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})  # fmt: skip
-        assert proc.stderr.strip().endswith(("2 False False", "1 False False")), proc.stderr
-        assert "Error" in proc.stderr
+        stderr = cli_in_fresh_interpreter(["convert", str(tmp_path / "missing"), str(tmp_path / "out"), *args])
+        assert stderr.strip().endswith(("2 False False", "1 False False")), stderr
+        assert "Error" in stderr
 
 
 def _convert_with_recipe(tiny_sources, tmp_path, *flags):
