@@ -1,7 +1,7 @@
 """Cost of ``--allocation fisher`` against ``uniform``: the same random checkpoint converted both
 ways, alternating, in child processes (``scale_bench.run_conversion``: streaming pipeline, CLI).
 
-Fisher needs a statistics pass (each layer's statistics and error curve, spilled), a layer-wise
+Fisher needs a statistics pass (each layer's metrics and error curve, spilled), a layer-wise
 backward sweep for the loss sensitivities, and a convert pass; uniform converts in one pass. The
 bench reports wall and CPU seconds of each run, their phases, and the fisher / uniform ratios of
 the medians (CPU seconds are the steadier measure on a shared machine). Writes
@@ -25,6 +25,10 @@ from pathlib import Path
 import scale_bench
 from child_process import cpu_name
 
+from mlakit.options import ConvertOptions
+
+DEFAULTS = ConvertOptions()
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -39,8 +43,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=list(scale_bench.DTYPES), default="bf16")
     ap.add_argument("--kv-budget", type=float, default=0.25)
     ap.add_argument("--rope-dim", default="full", help="--rope-dim of both conversions")
-    ap.add_argument("--calib-samples", type=int, default=64)
-    ap.add_argument("--calib-seq-len", type=int, default=256)
+    # the goal is about the default conversion: the calibration defaults are the converter's own
+    ap.add_argument("--calib-samples", type=int, default=DEFAULTS.calib_samples)
+    ap.add_argument("--calib-seq-len", type=int, default=DEFAULTS.calib_seq_len)
     ap.add_argument("--runs", type=int, default=2, help="runs of each allocation, alternating")
     ap.add_argument("--allocations", default="uniform,fisher", help="the first is the baseline")
     ap.add_argument("--nice", type=int, default=5)

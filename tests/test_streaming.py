@@ -150,6 +150,20 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     assert len(set(want)) == 5 and min(want) > 0
 
 
+@pytest.mark.parametrize("setting", ["compressed", "fisher"])
+def test_each_layers_metrics_are_computed_once(deep_source, tmp_path, monkeypatch, setting):
+    """A two-pass plan (fisher) converts from the metrics its statistics pass spilled: the float64
+    per-layer math from sigma runs once per layer, as in a one-pass (uniform) conversion."""
+    from mlakit.convert.layer_metrics import layer_metrics
+    from mlakit.pipeline import driver
+
+    calls = []
+    monkeypatch.setattr(driver, "layer_metrics", lambda *a: calls.append(1) or layer_metrics(*a))
+    convert_streaming(str(deep_source), tmp_path / "out", ConvertOptions(**SETTINGS[setting], **CALIB),
+                      StreamOptions(batch_size=5))
+    assert len(calls) == 5
+
+
 @pytest.mark.parametrize("setting", ["compressed", "planned", "fisher"])
 def test_interrupted_conversion_resumes_to_identical_output(deep_source, tmp_path, setting):
     opts = ConvertOptions(**SETTINGS[setting], **CALIB)

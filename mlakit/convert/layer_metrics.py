@@ -9,7 +9,7 @@ the rank planner trade them against each other directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -17,7 +17,8 @@ from .block_metric import BlockMetric
 from .calibration import LayerStats
 from .mla_layer import AttentionWeights
 
-__all__ = ["LayerMetrics", "layer_metrics", "psd_factor", "psd_power", "psd_powers"]
+__all__ = ["LayerMetrics", "layer_metrics", "metrics_from_tensors", "metrics_tensors", "psd_factor", "psd_power",
+           "psd_powers"]
 
 
 @dataclass
@@ -49,6 +50,20 @@ class LayerMetrics:
         """(H, n) E[sum_s p_s^2 (1 - cos(freq * lag))]: the weight of a phase error growing at FREQ."""
         lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
         return self.lag_p2 @ (1 - torch.cos(lags[:, None] * freq.double()[None]))
+
+
+def metrics_tensors(m: LayerMetrics) -> dict[str, torch.Tensor]:
+    """M as a flat dict of CPU tensors (for ``torch.save``): its fields without the cached square
+    root (recomputed where needed) and without the sensitivity, which the planner carries."""
+    out = {f.name: getattr(m, f.name).cpu() for f in fields(m)
+           if isinstance(getattr(m, f.name), torch.Tensor) and f.name != "_sigma_half"}
+    return out | {"scale": torch.tensor(m.scale, dtype=torch.float64)}
+
+
+def metrics_from_tensors(t: dict[str, torch.Tensor], device: str = "cpu") -> LayerMetrics:
+    """The inverse of ``metrics_tensors``, its tensors on DEVICE."""
+    tensors = {k: v.to(device) for k, v in t.items() if k != "scale"}
+    return LayerMetrics(**tensors, scale=float(t["scale"]))
 
 
 def psd_power(m, power: float, rel_eps: float = 1e-12):

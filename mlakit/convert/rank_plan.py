@@ -13,8 +13,7 @@ put on one scale before they are traded:
 - ``planned``: the sum of *log* errors, which no per-layer scale can distort: a cached value goes
   where it cuts a layer's error by the largest factor. It loses to uniform ranks
   (bench/quality_sweep.py; results in bench/results/quality_sweep/).
-- ``uniform``: the same rank in every layer; what the streaming pipeline uses by default, since
-  it cannot run the backward pass the sensitivities need.
+- ``uniform``: the same rank in every layer, in one pass (no statistics pass, no backward sweep).
 
 A Lagrangian sweep (each layer picks argmin curve + lambda * r) finds the price of one cached
 value; leftovers go greedily.

@@ -11,8 +11,9 @@ exactly as in the full model. Only the embedding lookup, one layer and the float
 layer are ever resident.
 
 Planned and fisher allocation need every layer's error curve before any rank is chosen: a
-statistics pass computes each layer's statistics and curve and spills them to the work
-directory; ranks are planned; the convert pass converts each layer from its spilled statistics.
+statistics pass computes each layer's metrics (``layer_metrics``) and curve and spills them to
+the work directory; ranks are planned; the convert pass converts each layer from its spilled
+metrics, so the per-layer float64 work from sigma is done once.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
 layer's input for the first ``SENSITIVITY_SAMPLES`` calibration sequences, and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
@@ -48,7 +49,7 @@ from ..arch import names
 from ..convert.assemble import mla_layer_tensors, read_attention
 from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
 from ..convert.compress import compress_layer
-from ..convert.layer_metrics import layer_metrics
+from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
 from ..convert.refine import attention_residual, refine_layer
 from ..io.shard_stream import Cursor, ShardStreamWriter
@@ -206,14 +207,13 @@ class LayerDriver:
                     self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
                 # sequential: the verification stream advances with the convert pass instead
                 stats = self._source_layer(i, tensors, verify=not self.sequential)
-                w, dev_stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
-                with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
-                    error = error_curve(w, layer_metrics(w, dev_stats), c.method, c.rope_dim).cpu()
-                self.work.save_tensors(f"stats-{i:05d}.pt", {
-                    "sigma": stats.sigma, "lag_p2": stats.lag_p2, "inv_freq": stats.inv_freq,
-                    "tokens": torch.tensor(stats.tokens), "error": error,
-                })
-                del tensors, stats, w, dev_stats, error
+                w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
+                with self._on_device():
+                    metrics = layer_metrics(w, stats)
+                    error = error_curve(w, metrics, c.method, c.rope_dim).cpu()
+                # the convert pass reads the metrics back instead of recomputing them from sigma
+                self.work.save_tensors(f"stats-{i:05d}.pt", metrics_tensors(metrics) | {"error": error})
+                del tensors, stats, w, metrics, error
                 st["stats_done"] = i + 1
                 self._commit(None)
                 bar.update()
@@ -260,9 +260,14 @@ class LayerDriver:
             raise ConversionError(str(exc)) from exc
         self._commit(None)
 
-    def _spilled(self, i: int) -> LayerStats:
+    def _spilled(self, i: int) -> LayerMetrics:
         spilled = self.work.load_tensors(f"stats-{i:05d}.pt")
-        return LayerStats(spilled["sigma"], spilled["lag_p2"], spilled["inv_freq"], int(spilled["tokens"]))
+        del spilled["error"]
+        return metrics_from_tensors(spilled, self.c.device)
+
+    def _on_device(self):
+        """The default device of the per-layer math (a no-op on the CPU)."""
+        return torch.device(self.c.device) if self.c.device != "cpu" else contextlib.nullcontext()
 
     def convert_pass(self) -> None:
         """Every layer not yet converted: its statistics (taken now, or spilled by the statistics
@@ -306,20 +311,21 @@ class LayerDriver:
         finally:
             writer.close()
 
-    def convert_layer(self, i: int, tensors: dict, stats: LayerStats | None, rank: int,
+    def convert_layer(self, i: int, tensors: dict, stats: LayerStats | LayerMetrics | None, rank: int,
                       mla_layers: MLALayers) -> tuple[dict, dict]:
-        """The per-layer convert step: source layer I's TENSORS and its attention-input STATS (None:
-        data-free) to the converted layer's tensors (output dtype, full checkpoint names, the copied
-        norms and MLP included) at kv_lora_rank RANK, and its report record. The layer's rope
-        frequencies go into MLA_LAYERS' config, so ``mla_layers.layer(i, out)`` builds it. The
-        calibration stream this layer read is at ``self.store`` slot ``i % 2`` of SOURCE (or of
-        CONVERTED when sequential)."""
+        """The per-layer convert step: source layer I's TENSORS and its attention-input STATS (or the
+        metrics the statistics pass computed from them; None: data-free) to the converted layer's
+        tensors (output dtype, full checkpoint names, the copied norms and MLP included) at
+        kv_lora_rank RANK, and its report record. The layer's rope frequencies go into MLA_LAYERS'
+        config, so ``mla_layers.layer(i, out)`` builds it. The calibration stream this layer read is
+        at ``self.store`` slot ``i % 2`` of SOURCE (or of CONVERTED when sequential)."""
         c = self.c
-        w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
-        with torch.device(c.device) if c.device != "cpu" else contextlib.nullcontext():
-            metrics = layer_metrics(w, stats) if stats is not None else None
+        spilled = stats if isinstance(stats, LayerMetrics) else None  # already on c.device (``_spilled``)
+        w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), None if spilled else stats)
+        with self._on_device():
+            metrics = spilled if spilled is not None else layer_metrics(w, stats) if stats is not None else None
             mla = compress_layer(w, metrics, c.method, c.rope_dim, rank)
-        del w, stats, metrics  # the float64 statistics are done with before the layer is written
+        del w, stats, spilled, metrics  # the float64 statistics are done with before the layer is written
         out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})
         mla_layers.config.rope_freq_index[i] = list(mla.freq_index)

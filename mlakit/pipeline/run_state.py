@@ -36,7 +36,8 @@ from .stream_memory import choose_batch_size, estimate_sweep_bytes
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 4  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind
+STATE_VERSION = 5  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+# 5: layer metrics spilled, not the statistics
 
 
 @dataclass
