@@ -143,6 +143,35 @@ def test_compress_layer_shapes_follow_the_plan():
     assert mla.q_proj.shape == (H * (d + 8), D + 1)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["tall", "wide"])  # W_y taller / wider than D + 1
+def test_prepared_layer_gives_the_same_curve_and_layer_bit_for_bit(kv_heads):
+    """``prepare_layer`` (what a two-pass conversion spills) changes nothing: the error curve and the
+    rrr layer from it equal those computed from scratch, also after a round trip through tensors."""
+    from mlakit.convert.calibration import LayerStats
+    from mlakit.convert.compress import prep_from_tensors, prep_tensors, prepare_layer
+    from mlakit.convert.layer_metrics import layer_metrics, metrics_from_tensors, metrics_tensors
+    from mlakit.convert.rank_plan import error_curve
+
+    torch.manual_seed(0)
+    H, d, D = 4, 16, 24
+    G = kv_heads
+    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
+                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    x = torch.cat([torch.randn(200, D), torch.ones(200, 1)], 1).double()
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    m = layer_metrics(w, LayerStats(x.T @ x / 200, torch.rand(H, 8, dtype=torch.float64) / 8, inv_freq, 200))
+    method = Method(lowrank="rrr")
+    prep = prepare_layer(w, m, method, 8)
+    back = prep_from_tensors(prep_tensors(prep))
+    m_back = metrics_from_tensors(metrics_tensors(m))
+    assert torch.equal(error_curve(w, m, method, 8), error_curve(w, m_back, method, 8, back))
+    want = compress_layer(w, m, method, 8, rank=10)
+    got = compress_layer(w, m_back, method, 8, rank=10, prep=back)
+    for name in ("q_proj", "kv_a_proj_with_mqa", "kv_b_proj"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.freq_index == want.freq_index
+
+
 # ---- recipes -------------------------------------------------------------------------------
 
 def test_recipe_rejects_unknown_keys_and_round_trips():

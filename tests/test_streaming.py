@@ -151,17 +151,29 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
 
 
 @pytest.mark.parametrize("setting", ["compressed", "fisher"])
-def test_each_layers_metrics_are_computed_once(deep_source, tmp_path, monkeypatch, setting):
-    """A two-pass plan (fisher) converts from the metrics its statistics pass spilled: the float64
-    per-layer math from sigma runs once per layer, as in a one-pass (uniform) conversion."""
-    from mlakit.convert.layer_metrics import layer_metrics
+def test_each_layers_float64_work_is_done_once(deep_source, tmp_path, monkeypatch, setting):
+    """A two-pass plan (fisher) converts from what its statistics pass spilled: the layer metrics
+    and the Gram matrix the error curve and the rrr factorisation share are computed once per
+    layer, as in a one-pass conversion."""
+    from mlakit.convert import compress, low_rank
     from mlakit.pipeline import driver
 
-    calls = []
-    monkeypatch.setattr(driver, "layer_metrics", lambda *a: calls.append(1) or layer_metrics(*a))
-    convert_streaming(str(deep_source), tmp_path / "out", ConvertOptions(**SETTINGS[setting], **CALIB),
-                      StreamOptions(batch_size=5))
-    assert len(calls) == 5
+    calls = {"layer_metrics": 0, "metric_gram": 0}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args):
+            calls[name] += 1
+            return real(*args)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counted(driver, "layer_metrics")
+    counted(compress, "metric_gram")
+    counted(low_rank, "metric_gram")
+    opts = ConvertOptions(**SETTINGS[setting], **CALIB, lowrank_method="rrr")
+    convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
+    assert calls == {"layer_metrics": 5, "metric_gram": 5}
 
 
 @pytest.mark.parametrize("setting", ["compressed", "planned", "fisher"])

@@ -61,9 +61,9 @@ def metrics_tensors(m: LayerMetrics) -> dict[str, torch.Tensor]:
 
 
 def metrics_from_tensors(t: dict[str, torch.Tensor], device: str = "cpu") -> LayerMetrics:
-    """The inverse of ``metrics_tensors``, its tensors on DEVICE."""
-    tensors = {k: v.to(device) for k, v in t.items() if k != "scale"}
-    return LayerMetrics(**tensors, scale=float(t["scale"]))
+    """The inverse of ``metrics_tensors`` (other keys in T are ignored), its tensors on DEVICE."""
+    names = {f.name for f in fields(LayerMetrics)} - {"scale"}
+    return LayerMetrics(**{k: v.to(device) for k, v in t.items() if k in names}, scale=float(t["scale"]))
 
 
 def psd_power(m, power: float, rel_eps: float = 1e-12):

@@ -32,8 +32,10 @@ __all__ = [
     "LOWRANK_METHODS",
     "bkv_metric",
     "full_rank",
+    "gram_energy",
     "metric_energy",
     "metric_factor",
+    "metric_gram",
     "metric_spectrum",
     "output_metric",
     "weight_svd",
@@ -64,17 +66,6 @@ def _top_eigh(gram: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals.flip(0)[:k], vecs.flip(1)[:, :k]
 
 
-def _input_side(w: torch.Tensor, sigma_half: torch.Tensor, metric: BlockMetric, k: int):
-    """Right singular vectors V (X, k) and squared singular values of A = M^1/2 W R (R = sigma_half)
-    from the (X, X) Gram matrix A^T A = R^T W^T M W R, which needs no power of M: the cheap side
-    when W has more rows than columns (MHA)."""
-    wr = w @ sigma_half  # (Y, X)
-    gram = metric.gram(wr)  # (X, X)
-    del wr
-    s2, v = _top_eigh(gram, k)
-    return s2.clamp_min(0), v
-
-
 def _alive(s2: torch.Tensor, n: int) -> torch.Tensor:
     """1/s where s^2 is above the rounding floor of an (n, n) Gram matrix, else 0: a direction with no
     energy gets a zero latent dimension (it adds nothing to the objective either way)."""
@@ -97,20 +88,31 @@ def metric_spectrum(w_y, sigma_half, metric_half):
     return (a @ v) * _alive(s2, cols), s2
 
 
-def metric_energy(w_y: torch.Tensor, sigma_half: torch.Tensor, metric) -> torch.Tensor:
-    """The squared singular values of ``metric_spectrum`` from M itself (no power of M when W_y is
-    tall) and without singular vectors: all the rank planner's error curve needs."""
+def metric_gram(w_y: torch.Tensor, sigma_half: torch.Tensor, metric) -> torch.Tensor:
+    """The smaller Gram matrix of A = M^1/2 W_y R (R = SIGMA_HALF): (X, X) A^T A = R^T W^T M W R when
+    W_y has more rows than columns (MHA; it needs no power of M), else (Y, Y) A A^T. The costly
+    product that the rank planner's error curve and the factorisation share (``metric_energy``,
+    ``metric_factor``): a two-pass conversion computes it once and passes it to both."""
     metric, w = as_block_metric(metric), w_y.double()
     wr = w @ sigma_half.double()  # (Y, X)
     if w.shape[0] > w.shape[1]:
-        gram = metric.gram(wr)  # (X, X) R^T W^T M W R
-    else:
-        a = metric.powers((0.5,))[0] @ wr
-        gram = a @ a.T  # (Y, Y) M^1/2 W Sigma W^T M^1/2
+        return metric.gram(wr)
+    a = metric.powers((0.5,))[0] @ wr
+    return a @ a.T
+
+
+def metric_energy(w_y: torch.Tensor, sigma_half: torch.Tensor, metric) -> torch.Tensor:
+    """The squared singular values of ``metric_spectrum`` from M itself (no power of M when W_y is
+    tall) and without singular vectors: all the rank planner's error curve needs."""
+    return gram_energy(metric_gram(w_y, sigma_half, metric))
+
+
+def gram_energy(gram: torch.Tensor) -> torch.Tensor:
+    """``metric_energy`` from the ``metric_gram`` already computed: its eigenvalues, descending."""
     return torch.linalg.eigvalsh(gram).flip(0).clamp_min(0)
 
 
-def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int):
+def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int, gram: torch.Tensor | None = None):
     """argmin over rank-r (up, down) of E||M^1/2 (W_y - up down) x~||^2 with E[x~ x~^T] = R R^T,
     R = SIGMA_HALF (any such factor). METRIC: a dense PSD matrix or a BlockMetric.
 
@@ -120,21 +122,22 @@ def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int
         up = W_y R V_r S_r^-1,   down = S_r^-1 (M W_y R V_r)^T W_y,
     with V_r, S_r^2 from the (D+1)^2 Gram matrix R^T W_y^T M W_y R: no power of M, no SVD of the
     tall A. Otherwise (GQA) the (Y, Y) Gram matrix is the small one and M^+-1/2 is taken block
-    by block."""
+    by block. GRAM: the ``metric_gram`` of these arguments, when already computed."""
     _check_rank(rank, w_y.shape[0])
     metric, w, r_fac = as_block_metric(metric), w_y.double(), sigma_half.double()
     rows, cols = w.shape
     k = min(rank, rows, cols)
+    gram = metric_gram(w, r_fac, metric) if gram is None else gram
     if rows > cols:
-        s2, v = _input_side(w, r_fac, metric, k)
+        s2, v = _top_eigh(gram, k)
+        s2 = s2.clamp_min(0)
+        del gram
         wz = w @ (r_fac @ v)  # (Y, k) = W R V_r = M^-1/2 U_r S_r
-        inv_s = _alive(s2, cols)
-        up = wz * inv_s
+        up = wz * _alive(s2, cols)
         down = (metric @ up).T @ w  # S^-1 (M W R V_r)^T W
         return down, up
+    _, u = _top_eigh(gram, k)
     m_half, m_ihalf = metric.powers((0.5, -0.5))
-    a = m_half @ (w @ r_fac)
-    _, u = _top_eigh(a @ a.T, k)
     return (m_half @ u).T @ w, m_ihalf @ u
 
 

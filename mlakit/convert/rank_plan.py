@@ -32,10 +32,10 @@ import math
 import torch
 
 from ..choices import ALLOCATIONS
-from .compress import Method, compress_layer, layer_plan
+from .compress import LayerPrep, Method, compress_layer, prepare_layer
 from .layer_metrics import LayerMetrics
-from .low_rank import metric_energy, output_metric
-from .mla_layer import AttentionWeights, MLAWeights, nope_value_map
+from .low_rank import gram_energy
+from .mla_layer import AttentionWeights, MLAWeights
 from .rope_select import rope_error
 
 __all__ = [
@@ -61,11 +61,12 @@ def budget_rope_dim(num_kv_heads: int, head_dim: int, per_layer_budget: float, s
     return int(min(num_kv_heads * head_dim, max(8, d_r)))
 
 
-def error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:
-    """Predicted output error (``layer_metrics`` units) at r = 0 .. 2Gd - d_R with RoPE dims ROPE_DIM."""
-    plan = layer_plan(w, m, method, rope_dim)
-    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
-    s2 = metric_energy(nope_value_map(w, plan), m.sigma_half, metric)
+def error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int,
+                prep: LayerPrep | None = None) -> torch.Tensor:
+    """Predicted output error (``layer_metrics`` units) at r = 0 .. 2Gd - d_R with RoPE dims ROPE_DIM.
+    PREP: ``compress.prepare_layer``'s result for these arguments, when already computed."""
+    prep = prepare_layer(w, m, method, rope_dim) if prep is None else prep
+    plan, s2 = prep.plan, gram_energy(prep.gram)
     n_rows = 2 * w.num_kv_heads * w.head_dim - rope_dim
     spectrum = torch.zeros(n_rows, dtype=torch.float64)
     spectrum[: s2.shape[0]] = s2

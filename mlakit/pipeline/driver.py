@@ -12,8 +12,9 @@ layer are ever resident.
 
 Planned and fisher allocation need every layer's error curve before any rank is chosen: a
 statistics pass computes each layer's metrics (``layer_metrics``) and curve and spills them to
-the work directory; ranks are planned; the convert pass converts each layer from its spilled
-metrics, so the per-layer float64 work from sigma is done once.
+the work directory with its rotary plan and the Gram matrix the error curve and the
+factorisation share (``compress.prepare_layer``); ranks are planned; the convert pass converts
+each layer from what was spilled, so that per-layer float64 work is done once.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
 layer's input for the first ``SENSITIVITY_SAMPLES`` calibration sequences, and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
@@ -41,6 +42,7 @@ import logging
 import sys
 import time
 from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -48,7 +50,7 @@ from tqdm.auto import tqdm
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors, read_attention
 from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
-from ..convert.compress import compress_layer
+from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
 from ..convert.refine import attention_residual, refine_layer
@@ -62,6 +64,13 @@ from .verify import layerwise_report, verify_token_ids
 __all__ = ["CONVERTED", "SOURCE", "LayerDriver"]
 
 log = logging.getLogger(__name__)
+
+class Spilled(NamedTuple):
+    """What the statistics pass of a two-pass plan computed for one layer and the convert pass reuses."""
+
+    metrics: LayerMetrics | None
+    prep: LayerPrep | None
+
 
 SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
 
@@ -210,10 +219,13 @@ class LayerDriver:
                 w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
                 with self._on_device():
                     metrics = layer_metrics(w, stats)
-                    error = error_curve(w, metrics, c.method, c.rope_dim).cpu()
-                # the convert pass reads the metrics back instead of recomputing them from sigma
-                self.work.save_tensors(f"stats-{i:05d}.pt", metrics_tensors(metrics) | {"error": error})
-                del tensors, stats, w, metrics, error
+                    prep = prepare_layer(w, metrics, c.method, c.rope_dim)
+                    error = error_curve(w, metrics, c.method, c.rope_dim, prep).cpu()
+                # the convert pass reads the metrics, rotary plan and Gram matrix back instead of
+                # computing them again
+                self.work.save_tensors(f"stats-{i:05d}.pt",
+                                       metrics_tensors(metrics) | prep_tensors(prep) | {"error": error})
+                del tensors, stats, w, metrics, prep, error
                 st["stats_done"] = i + 1
                 self._commit(None)
                 bar.update()
@@ -260,10 +272,9 @@ class LayerDriver:
             raise ConversionError(str(exc)) from exc
         self._commit(None)
 
-    def _spilled(self, i: int) -> LayerMetrics:
-        spilled = self.work.load_tensors(f"stats-{i:05d}.pt")
-        del spilled["error"]
-        return metrics_from_tensors(spilled, self.c.device)
+    def _spilled(self, i: int) -> Spilled:
+        t = self.work.load_tensors(f"stats-{i:05d}.pt")
+        return Spilled(metrics_from_tensors(t, self.c.device), prep_from_tensors(t, self.c.device))
 
     def _on_device(self):
         """The default device of the per-layer math (a no-op on the CPU)."""
@@ -311,20 +322,21 @@ class LayerDriver:
         finally:
             writer.close()
 
-    def convert_layer(self, i: int, tensors: dict, stats: LayerStats | LayerMetrics | None, rank: int,
+    def convert_layer(self, i: int, tensors: dict, stats: LayerStats | Spilled | None, rank: int,
                       mla_layers: MLALayers) -> tuple[dict, dict]:
-        """The per-layer convert step: source layer I's TENSORS and its attention-input STATS (or the
-        metrics the statistics pass computed from them; None: data-free) to the converted layer's
-        tensors (output dtype, full checkpoint names, the copied norms and MLP included) at
-        kv_lora_rank RANK, and its report record. The layer's rope frequencies go into MLA_LAYERS'
-        config, so ``mla_layers.layer(i, out)`` builds it. The calibration stream this layer read is
-        at ``self.store`` slot ``i % 2`` of SOURCE (or of CONVERTED when sequential)."""
+        """The per-layer convert step: source layer I's TENSORS and its attention-input STATS (or what
+        the statistics pass computed from them; None: data-free) to the converted layer's tensors
+        (output dtype, full checkpoint names, the copied norms and MLP included) at kv_lora_rank
+        RANK, and its report record. The layer's rope frequencies go into MLA_LAYERS' config, so
+        ``mla_layers.layer(i, out)`` builds it. The calibration stream this layer read is at
+        ``self.store`` slot ``i % 2`` of SOURCE (or of CONVERTED when sequential)."""
         c = self.c
-        spilled = stats if isinstance(stats, LayerMetrics) else None  # already on c.device (``_spilled``)
-        w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), None if spilled else stats)
+        spilled = stats if isinstance(stats, Spilled) else Spilled(None, None)  # on c.device already
+        w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape),
+                             stats if isinstance(stats, LayerStats) else None)
         with self._on_device():
-            metrics = spilled if spilled is not None else layer_metrics(w, stats) if stats is not None else None
-            mla = compress_layer(w, metrics, c.method, c.rope_dim, rank)
+            metrics = layer_metrics(w, stats) if stats is not None else spilled.metrics
+            mla = compress_layer(w, metrics, c.method, c.rope_dim, rank, spilled.prep)
         del w, stats, spilled, metrics  # the float64 statistics are done with before the layer is written
         out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})
