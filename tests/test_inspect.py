@@ -102,3 +102,27 @@ def test_missing_source_and_foreign_out_dir(tmp_path, tiny_sources):
     code, text = run(tiny_sources["llama_gqa"], "--out", foreign, *CALIB)
     assert code == 2 and "not an earlier inspect output" in text, text
     assert [p.name for p in foreign.iterdir()] == ["keep.txt"]
+
+
+def test_inspect_a_converted_checkpoint_shows_each_layers_loss_before_and_after_refinement(tiny_sources, tmp_path):
+    """On a checkpoint `convert` wrote, inspect calibrates nothing: it reads conversion.json and shows
+    each layer's cache and, for a refined conversion, its loss before and after refinement."""
+    from mlakit.pipeline.api import ConvertOptions, convert
+
+    out = tmp_path / "refined"
+    convert(str(tiny_sources["llama_gqa"]), out, ConvertOptions(
+        kv_lora_rank=6, rope_dim=8, refine="layer", refine_epochs=1.0, refine_batch=4, calib="random",
+        calib_samples=8, calib_seq_len=16, dtype="float32", quiet=True))
+    layers = json.loads((out / "conversion.json").read_text())["layers"]
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--out", str(tmp_path / "ins")])
+    assert res.exit_code == 0, res.output
+    assert "loss before" in res.output and "refine layer" in res.output
+    for rec in layers:
+        row = next(line for line in res.output.splitlines() if line.split()[:3] == [str(rec["layer"]), "6", "8"])
+        assert rec["refine"]["kept"] in row
+        assert f"{rec['refine']['loss_before']:.4g}" in row and f"{rec['refine']['loss_after']:.4g}" in row
+    saved = json.loads((tmp_path / "ins" / "inspect.json").read_text())
+    assert [r["loss_after"] for r in saved["layers"]] == [r["refine"]["loss_after"] for r in layers]
+
+    res = CliRunner().invoke(cli, ["inspect", str(out), "--kv-budget", "0.5"])
+    assert res.exit_code == 2 and "converted checkpoint" in res.output and "pass the source" in res.output

@@ -261,10 +261,28 @@ def _check_out(out: str) -> Path:
 @verbosity_options
 @user_errors
 def inspect_command(src, kv_budget, allocation, calib, calib_samples, calib_seq_len, out, device, quiet):
-    """Per-layer K/V/rotary spectra of SRC (model directory, .gguf file, hub id, or 'default')."""
+    """Per-layer K/V/rotary spectra of SRC (model directory, .gguf file, hub id, or 'default').
+
+    SRC may also be a checkpoint `convert` wrote: then the table says what each layer caches and, for
+    a refined conversion, its calibration loss before and after refinement (nothing is calibrated)."""
     from ..options import ConvertOptions
+    from ..pipeline.conversion_table import conversion_table, is_conversion, read_conversion
 
     out_path = _check_out(out) if out else None
+    if is_conversion(src):
+        if kv_budget is not None:
+            raise click.BadParameter(f"{src} is a converted checkpoint: --kv-budget plans the conversion of a "
+                                     f"source model; pass the source instead", param_hint="--kv-budget")
+        summary = read_conversion(src)
+        click.echo(conversion_table(summary))
+        if out_path is not None:
+            from ..io.output_dir import atomic_output
+            from ..io.writer import write_json
+
+            with atomic_output(out_path, overwrite=True, markers=(REPORT_JSON,)) as tmp:
+                write_json(tmp / REPORT_JSON, summary)
+            click.echo(f"wrote {out_path / REPORT_JSON}")
+        return
     opts = ConvertOptions(  # checked before torch is imported
         kv_budget=kv_budget,
         allocation=allocation,

@@ -1,0 +1,62 @@
+"""What a finished conversion did per layer, read back from its ``conversion.json``: the latent rank and
+rotary dims each layer caches and, where a refinement ran (``--refine``), the layer's calibration loss
+before and after it (the attention output's squared error relative to the target's energy, on the
+sequences the refinement used) and which result was kept. ``mla-convert inspect OUT`` prints it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["REPORT_NAME", "conversion_table", "is_conversion", "read_conversion"]
+
+REPORT_NAME = "conversion.json"
+
+
+def is_conversion(path: str | Path) -> bool:
+    """True when PATH is a directory holding an mlakit conversion report."""
+    return (Path(path).expanduser() / REPORT_NAME).is_file()
+
+
+def read_conversion(path: str | Path) -> dict:
+    """The per-layer summary of the conversion at PATH (JSON-ready)."""
+    report = json.loads((Path(path).expanduser() / REPORT_NAME).read_text())
+    layers = []
+    for rec in report["layers"]:
+        row = {"layer": rec["layer"], "kv_lora_rank": rec["kv_lora_rank"], "rope_dim": rec["qk_rope_head_dim"]}
+        refine = rec.get("refine")
+        if refine:
+            row |= {"loss_before": refine["loss_before"], "loss_after": refine["loss_after"], "kept": refine["kept"]}
+        layers.append(row)
+    return {
+        "converted": str(path),
+        "source": report["source"],
+        "refine": report["settings"].get("refine", "none"),
+        "kv_values_per_token": report["kv_values_per_token"],
+        "source_kv_values_per_token": report["source_kv_values_per_token"],
+        "layers": layers,
+    }
+
+
+def conversion_table(summary: dict) -> str:
+    """One line per layer of ``read_conversion``'s SUMMARY."""
+    refined = any("loss_before" in row for row in summary["layers"])
+    share = summary["kv_values_per_token"] / summary["source_kv_values_per_token"]
+    lines = [
+        f"{summary['converted']} (from {summary['source']}): {summary['kv_values_per_token']} of "
+        f"{summary['source_kv_values_per_token']} cached values per token ({share:.1%}), refine {summary['refine']}",
+    ]
+    head = f"{'layer':>5}{'r':>6}{'d_R':>5}"
+    if refined:
+        head += f"{'loss before':>13}{'loss after':>12}{'after/before':>14}  kept"
+        lines.append("loss: the attention output's squared error relative to the target's energy, on the "
+                     "sequences the refinement used")
+    lines.append(head)
+    for row in summary["layers"]:
+        line = f"{row['layer']:>5}{row['kv_lora_rank']:>6}{row['rope_dim']:>5}"
+        if "loss_before" in row:
+            before, after = row["loss_before"], row["loss_after"]
+            ratio = after / before if before > 0 else 1.0
+            line += f"{before:>13.4g}{after:>12.4g}{ratio:>14.3f}  {row['kept']}"
+        lines.append(line)
+    return "\n".join(lines)
