@@ -96,7 +96,7 @@ def main() -> None:
             fn()
             seconds[name].append(round(time.perf_counter() - tick, 2))
             print(name, seconds[name][-1], flush=True)
-    median = {name: statistics.median(v) for name, v in seconds.items()}
+    median = {name: round(statistics.median(v), 2) for name, v in seconds.items()}
     ratio = {name: round(v / median["uniform"], 3) for name, v in median.items()}
     result = {"setup": {k: v for k, v in vars(args).items() if k != "no_write_results"}
               | {"cpu": cpu_name(), "machine": platform.machine(), "cpus": os.cpu_count(),
