@@ -6,9 +6,10 @@ attention output (math and algebra: ``refit_moments``). The inputs are the SOURC
 of the layer (the converted layer is fed what the source layer was fed), not the converted
 model's: the fit then needs no forward of the converted model below the layer, only the
 attention-weighted latents a_h (``MLAAttention.latent_attention``) and the source attention's
-output over the calibration sequences, gathered as second moments (``add_batch``); and
-compensating the error of the layers below on the converted stream fitted the calibration text
-better but new text worse (the README's refinement section and bench/results/ give the numbers).
+output over the calibration sequences, gathered as second moments (``add_batch``). Inputs from the
+converted stream (compensating the error of the layers below, as ``--refine layer`` does) fitted the
+calibration text better but unseen text worse in an earlier implementation of this refit; that
+variant is not implemented here and was not re-measured.
 
 Only W_UV and o_proj change: the latent, the rotary key, the scores and so the cache stay as the
 closed form made them. The refit is skipped when the start is already exact (the full-rank
