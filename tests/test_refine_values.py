@@ -15,9 +15,13 @@ from mlakit.arch import names
 from mlakit.convert.refine import RefineSettings, attention_output
 from mlakit.convert.refine_values import add_batch, latent_inputs, refit_values
 from mlakit.convert.refit_moments import FoldMoments
+from mlakit.io.work_dir import work_dir_for
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
+from tests import test_streaming
 from tests.convert_helpers import assert_same_bytes, checkpoint_tensors, fast_args, run
 from tests.test_refine import layer_case, state_copy
+
+deep_source = test_streaming.deep_source  # the 5-layer fixture
 
 
 def _attention_loss(block, run, x, y) -> float:
@@ -199,3 +203,24 @@ def test_cli_refine_values_with_epochs_names_the_flag(tiny_sources, tmp_path):
     )
     assert code != 0 and "--refine-epochs" in text, text
     assert not (tmp_path / "out").exists()
+
+
+def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source, tmp_path):
+    """A statistics pass (fisher) leaves the source slots at the last layer's hidden states; the
+    convert pass must embed again, or layer 0 is refitted on another layer's inputs (a bug that
+    kept in-memory and streaming identical, and only perplexity showed)."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    src, out, seen = deep_source, tmp_path / "out", {}  # 5 layers: the last one's input sits in slot 0
+
+    def hook(phase, index):
+        if (phase, index) == ("convert", 0):
+            seen["hidden"] = np.fromfile(work_dir_for(out) / "hidden-0.bin", dtype=np.float32)
+
+    opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine="values")
+    convert_streaming(str(src), out, opts, on_layer=hook)
+    emb = load_file(str(src / "model.safetensors"))[names.EMBED]
+    n, t = CALIB["calib_samples"], CALIB["calib_seq_len"]
+    ids = torch.randint(0, emb.shape[0], (n, t), generator=torch.Generator().manual_seed(0))  # calib="random"
+    assert torch.equal(torch.from_numpy(seen["hidden"]).view(n, t, -1), emb[ids].float())

@@ -295,8 +295,9 @@ class LayerDriver:
         mla_layers = MLALayers(c.placeholder_config(ranks), c.device)
         for rec in st["layers"]:
             mla_layers.config.rope_freq_index[rec["layer"]] = rec["rope_freq_index"]
-        if self.two_streams and not st["layers"]:  # both streams start from the embeddings
-            self._embed((SOURCE, CONVERTED))
+        if (self.two_streams or self.refining) and not st["layers"]:  # the streams start from the embeddings
+            # (a statistics pass left the source slots at the last layer's hidden states)
+            self._embed((SOURCE, CONVERTED) if self.two_streams else (SOURCE,))
         writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
         try:
             with self._progress("converting layers", len(st["layers"])) as bar:
