@@ -1,4 +1,5 @@
-"""Quality ablation through the real conversion: closed form, + sequential calibration, + refinement.
+"""Quality ablation through the real conversion: closed form, + sequential calibration, + refinement,
++ the joint value / o_proj refit.
 
     nice python bench/quality_ablation.py --out bench/results/quality_ablation          # SmolLM2-135M
     python bench/quality_ablation.py --budgets 0.3125 --rows 2,4 --out /tmp/qa          # one budget, two rows
@@ -48,6 +49,7 @@ ROWS = {
     "+ sequential calibration": ({}, True),
     "+ refinement (--refine layer)": ({"refine": "layer"}, False),
     "+ sequential calibration + refinement": ({"refine": "layer"}, True),
+    "+ value refit (--refine values)": ({"refine": "values"}, False),
 }
 DEFAULT_ROW = "closed form only (mlakit default)"
 TEXTS = {

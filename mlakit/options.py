@@ -128,16 +128,19 @@ class ConvertOptions:
     refine: Annotated[
         Literal[REFINE_MODES],
         Field(
-            description="After the closed form, refit each converted attention to the source layer's output from "
-            "the hidden states the converted layers below it produce (error-compensating, layer by layer): o_proj "
-            "by least squares, then --refine-epochs of Adam; never raises a layer's calibration loss; the cache "
-            "is unchanged."
+            description="After the closed form, refit each converted attention to the source layer's attention "
+            "output; never raises a layer's calibration loss; the cache is unchanged. layer: from the hidden states "
+            "the converted layers below it produce (error-compensating), o_proj by least squares, then "
+            "--refine-epochs of Adam. values: each head's value map and o_proj jointly, by least squares from "
+            "moments gathered on the source's own hidden states (no converted-stream forward)."
         ),
     ] = "none"
     refine_epochs: Annotated[
         float,
         Field(
-            ge=0, le=1000, description="Adam passes over the refinement sequences; 0 = the o_proj refit only."
+            ge=0,
+            le=1000,
+            description="Adam passes over the refinement sequences (--refine layer); 0 = the o_proj refit only.",
         ),
     ] = 0.0
     refine_lr: Annotated[
@@ -205,6 +208,11 @@ class ConvertOptions:
             raise ValueError(
                 f"--kv-budget {self.kv_budget} and --kv-lora-rank {self.kv_lora_rank} both set the latent rank: "
                 f"give one (a budget plans each layer's rank)"
+            )
+        if self.refine == "values" and self.refine_epochs:
+            raise ValueError(
+                f"--refine-epochs {self.refine_epochs} sets Adam passes of --refine layer; --refine values is a "
+                f"closed-form refit: drop --refine-epochs or use --refine layer"
             )
         return self
 

@@ -17,9 +17,10 @@ from mlakit.io.source import open_source
 from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
 
 
-def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, loss: str = "attention"):
+def layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, loss: str = "attention",
+                sequences: int = 12, seq_len: int = 32):
     """Layer 1 of a tiny source, converted by the closed form from its own calibration statistics;
-    its inputs (the source's layer-0 outputs of random tokens) and the source's targets."""
+    its inputs (the source's layer-0 outputs of SEQUENCES random token sequences) and the source's targets."""
     source = open_source(str(src_dir))
     shape = attention_shape(source.config)
     G, d = shape.num_kv_heads, shape.head_dim
@@ -29,7 +30,7 @@ def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, lo
     tensors = {n: source.tensor(n) for n in source.tensor_names() if n.startswith(LAYER_PREFIX.format(i=i))}
     tensors |= {n: source.tensor(n) for n in source.tensor_names() if n.startswith(LAYER_PREFIX.format(i=0))}
     src = SourceLayers(source.config, shape.window)
-    ids = torch.randint(3, 96, (12, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 96, (sequences, seq_len), generator=torch.Generator().manual_seed(1))
     hidden = src.run(src.layer(0, tensors), torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight")))
     layer = src.layer(i, tensors)
     acc = layer_accumulator(layer.self_attn, src.inv_freq, shape)
@@ -46,13 +47,13 @@ def _layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, lo
     return runner.layer(i, out), runner.forward, hidden, targets, out
 
 
-def _state(block):
+def state_copy(block):
     return {k: v.clone() for k, v in block.state_dict().items()}
 
 
 def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):
-    block, run, x, y, _ = _layer_case(tiny_sources["qwen2"], "qwen2", None, None)
-    before = _state(block)
+    block, run, x, y, _ = layer_case(tiny_sources["qwen2"], "qwen2", None, None)
+    before = state_copy(block)
     report = refine_layer(block, run, x, y, RefineSettings())
     assert report["loss_before"] < 1e-10, report  # the lossless conversion reproduces the source
     assert report["steps"] == 0 and report["kept"].startswith("start")
@@ -63,7 +64,7 @@ def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):
 @pytest.mark.parametrize("family", ["llama_gqa", "qwen2"])
 @pytest.mark.parametrize("loss", ["attention", "block"])
 def test_refinement_reduces_the_loss_of_a_compressed_layer(tiny_sources, family, loss):
-    block, run, x, y, _ = _layer_case(tiny_sources[family], family, 8, 6, loss)
+    block, run, x, y, _ = layer_case(tiny_sources[family], family, 8, 6, loss)
     settings = RefineSettings(loss=loss, refit_o_proj=loss == "attention", epochs=8, batch=4, lr=1e-2)
     report = refine_layer(block, run, x, y, settings)
     measured = layer_loss(block, run, x, y, loss)
@@ -76,8 +77,8 @@ def test_refinement_reduces_the_loss_of_a_compressed_layer(tiny_sources, family,
 def test_refinement_never_returns_a_higher_loss_than_its_start(tiny_sources):
     """A step size far too large (Adam moves every weight by 90% of its RMS per step) diverges; the
     start (or the refit) is kept, and the weights are those of the kept result."""
-    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
-    start = _state(block)
+    block, run, x, y, _ = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    start = state_copy(block)
     report = refine_layer(block, run, x, y, RefineSettings(lr=0.9, refit_o_proj=False, epochs=4))
     assert report["loss_after_adam"] > report["loss_before"], report  # the bad run really was worse
     assert report["kept"] == "start" and report["loss_after"] == report["loss_before"]
@@ -87,8 +88,8 @@ def test_refinement_never_returns_a_higher_loss_than_its_start(tiny_sources):
 
 
 def test_refinement_leaves_the_block_frozen_outside_the_attention(tiny_sources):
-    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
-    start, flags = _state(block), [p.requires_grad for p in block.parameters()]
+    block, run, x, y, _ = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    start, flags = state_copy(block), [p.requires_grad for p in block.parameters()]
     refine_layer(block, run, x, y, RefineSettings(epochs=2))
     changed = {k for k, v in block.state_dict().items() if not torch.equal(v, start[k])}
     assert changed and all(k.startswith("self_attn.") for k in changed), changed
@@ -111,7 +112,7 @@ def test_settings_are_checked_with_a_clear_error(bad, match):
 
 
 def test_inputs_and_targets_must_have_one_shape(tiny_sources):
-    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, _ = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     with pytest.raises(ValueError, match="inputs and targets of one shape"):
         refine_layer(block, run, x, y[:, :-1], RefineSettings())
 
@@ -119,7 +120,7 @@ def test_inputs_and_targets_must_have_one_shape(tiny_sources):
 def test_refinement_never_writes_the_tensors_the_layer_was_built_from(tiny_sources):
     """The layer shares storage with the tensors it was attached from (a float32 source's o_proj
     among them); refinement must change the layer only."""
-    block, run, x, y, built_from = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, built_from = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     snapshot = {k: v.clone() for k, v in built_from.items()}
     report = refine_layer(block, run, x, y, RefineSettings(epochs=2))
     assert report["kept"] != "start"
@@ -131,7 +132,7 @@ def test_refit_from_too_few_sequences_does_not_hurt_unseen_sequences(tiny_source
     """Refit on 2 short sequences (fewer tokens than the o_proj normal equations have unknowns per
     output): the cross-validated ridge, or keeping the closed form, must not make the layer worse on
     sequences it never saw (an unregularised solve does: it fits directions of z those 2 never excite)."""
-    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    block, run, x, y, _ = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
     fit, unseen = slice(0, 2), slice(4, 12)
     start = layer_loss(block, run, x[unseen], y[unseen], "attention")
     report = refine_layer(block, run, x[fit, :12], y[fit, :12], RefineSettings())
@@ -140,8 +141,8 @@ def test_refit_from_too_few_sequences_does_not_hurt_unseen_sequences(tiny_source
 
 
 def test_refit_needs_two_sequences_to_validate(tiny_sources):
-    block, run, x, y, _ = _layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
-    start = _state(block)
+    block, run, x, y, _ = layer_case(tiny_sources["llama_gqa"], "llama_gqa", 8, 6)
+    start = state_copy(block)
     report = refine_layer(block, run, x[:1], y[:1], RefineSettings())
     assert report["refit"].startswith("skipped") and report["kept"] == "start", report
     for k, v in block.state_dict().items():

@@ -27,7 +27,7 @@ is kept: refinement never returns weights with a higher calibration loss than it
 
 How the constants were chosen (none is fitted to one model):
 - the refit's loss before and after come from its own normal equations (one attention pass), and so
-  does its held-out error, which picks the ridge from a log grid (``_choose_ridge``);
+  does its held-out error, which picks the ridge from a log grid (``refit_moments.choose_ridge``);
 - ``lr`` 1e-3 of each tensor's RMS per step: over a cosine schedule the weights move by at most
   about steps * lr / 2 of their scale, a few percent for tens of steps: a correction of the
   closed form's start, not training from it;
@@ -50,9 +50,11 @@ import torch
 from torch import nn
 
 from ..arch.names import MLA_ATTN_PROJ
+from ..choices import REFINE_MODES
+from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds
 
-__all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "RefineSettings", "attention_residual",
-           "layer_loss", "refine_layer"]
+__all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
+           "attention_residual", "layer_loss", "refine_layer"]
 
 REFINE_LOSSES = ("attention", "block")
 ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
@@ -61,15 +63,16 @@ ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
 # conversion must stay bit-exact. Any real compression error is many orders above it.
 EXACT_LOSS = 1e-10
 _EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (calibration.BATCH_SIZE)
-# ridges of the o_proj normal equations tried, relative to their mean diagonal (a log grid from
-# "none" to strong shrinkage); the held-out error picks one (``_choose_ridge``)
-_RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+# --refine layer: this module on the converted stream; --refine values: the joint value / o_proj
+# refit from moments on the source stream (refine_values.py)
+REFINE_METHODS = tuple(m for m in REFINE_MODES if m != "none")
 
 
 @dataclass(frozen=True)
 class RefineSettings:
     """How one layer is refined. Steps follow from the data: ``ceil(epochs * sequences / batch)``."""
 
+    method: str = "layer"  # REFINE_METHODS
     loss: str = "attention"  # REFINE_LOSSES
     sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
     # Adam passes over those sequences; 0: the o_proj refit only, which gets most of the gain at a
@@ -81,6 +84,11 @@ class RefineSettings:
     params: tuple[str, ...] = ATTENTION_PARAMS  # which attention projections Adam moves
 
     def __post_init__(self):
+        if self.method not in REFINE_METHODS:
+            raise ValueError(f"refine method {self.method!r} is not one of {', '.join(REFINE_METHODS)}")
+        if self.method == "values" and self.epochs:
+            raise ValueError("refine epochs (Adam steps) apply to --refine layer; --refine values is a closed-form "
+                             "refit: drop --refine-epochs or use --refine layer")
         if self.loss not in REFINE_LOSSES:
             raise ValueError(f"refine loss {self.loss!r} is not one of {', '.join(REFINE_LOSSES)}")
         if self.refit_o_proj and self.loss != "attention":
@@ -111,8 +119,8 @@ class _Stop(Exception):
     """Raised after the attention: the rest of the block does not enter the attention loss."""
 
 
-def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """The residual stream after BLOCK's attention, hidden + self_attn(norm(hidden)), through
+def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """What BLOCK's attention adds to the residual stream, self_attn(norm(hidden)), through
     RUN(block, hidden) (which supplies the mask and rotary table); the MLP is not run. Works for
     the source's decoder layers and the converted ones alike (both return (output, ...) from
     ``self_attn`` and add it to their input)."""
@@ -129,7 +137,12 @@ def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) ->
         pass
     finally:
         handle.remove()
-    return hidden + seen["out"]
+    return seen["out"]
+
+
+def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """The residual stream after BLOCK's attention, hidden + self_attn(norm(hidden))."""
+    return hidden + attention_output(block, run, hidden)
 
 
 def _predict(block, run, hidden, loss: str) -> torch.Tensor:
@@ -157,12 +170,12 @@ def _o_proj_moments(block, run, inputs, targets):
     """One pass of the attention over INPUTS: per fold (even and odd sequences) Z^T Z, Z^T R and
     sum ||R||^2 (float64), with z the attention's output before o_proj ([z; 1] when o_proj has a
     bias) and r = y - x the update the attention should add. The attention loss is quadratic in
-    W = [W_o | b]: sum ||W z - r||^2 = sum ||r||^2 - 2 <W, (Z^T R)^T> + <W Z^T Z, W>, so these
-    moments give the loss of any o_proj exactly, on either fold or both, with no further pass."""
+    W = [W_o | b], so these moments give the loss of any o_proj exactly, on either fold or both,
+    with no further pass (refit_moments.quadratic_error)."""
     o = block.self_attn.o_proj
     seen = {}
     handle = o.register_forward_pre_hook(lambda module, args: seen.__setitem__("z", args[0]))
-    folds = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    moments = FoldMoments()
     try:
         for s in range(0, inputs.shape[0], _EVAL_BATCH):
             x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
@@ -170,57 +183,15 @@ def _o_proj_moments(block, run, inputs, targets):
             z = seen["z"].double()
             if o.bias is not None:
                 z = torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
-            r = (y - x).double()
-            for k, fold in enumerate(folds):  # sequence s + j belongs to fold (s + j) % 2
-                zk = z[(s + k) % 2 :: 2].reshape(-1, z.shape[-1])
-                rk = r[(s + k) % 2 :: 2].reshape(-1, r.shape[-1])
-                fold[0] = fold[0] + zk.T @ zk
-                fold[1] = fold[1] + zk.T @ rk
-                fold[2] += float(rk.square().sum())
+            moments.add(z, y - x, s)
     finally:
         handle.remove()
-    return [tuple(f) for f in folds]
+    return moments.result()
 
 
 def _o_proj_matrix(o) -> torch.Tensor:
     w = o.weight.detach().double()
     return torch.cat([w, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w
-
-
-def _error(w: torch.Tensor, zz, zr, rr: float) -> float:
-    """sum ||W z - r||^2 from the moments (``_o_proj_moments``), clamped at 0 (rounding)."""
-    return max(rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum()), 0.0)
-
-
-def _quadratic_loss(w: torch.Tensor, zz, zr, rr: float) -> float:
-    """The attention loss of o_proj = W, relative to sum ||r||^2."""
-    return _error(w, zz, zr, rr) / rr if rr > 0 else _error(w, zz, zr, rr)
-
-
-def _solve(zz: torch.Tensor, zr: torch.Tensor, ridge: float) -> torch.Tensor:
-    """argmin_W sum ||W z - r||^2 + ridge * mean(diag Z^T Z) * ||W||^2: the normal equations."""
-    lam = ridge * float(zz.diagonal().mean()) + 1e-30
-    return torch.linalg.solve(zz + lam * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), zr).T
-
-
-def _sum(folds):
-    return tuple(a + b for a, b in zip(*folds))
-
-
-def _choose_ridge(w0: torch.Tensor, folds) -> tuple[float | None, dict]:
-    """The ridge of the o_proj refit, by two-fold cross-validation over the calibration sequences:
-    fit on one fold, measure on the other, both ways. The refit has as many unknowns per output as
-    the attention has value dims, and a calibration of few or similar sequences leaves directions of
-    z it never excites; an unregularised solve puts large weights there, which new text excites
-    (the loss on calibration falls while perplexity elsewhere explodes). Returns the ridge whose
-    held-out error is lowest, or None when no ridge beats the closed form's own held-out error."""
-    held = lambda w_of: sum(_error(w_of(1 - f), *folds[f]) for f in (0, 1))  # noqa: E731
-    start = held(lambda f: w0)
-    errors = {r: held(lambda f, r=r: _solve(folds[f][0], folds[f][1], r)) for r in _RIDGES}
-    best = min(errors, key=errors.get)
-    total = folds[0][2] + folds[1][2]
-    report = {"cv_loss_start": start / total, "cv_loss_refit": errors[best] / total, "ridge": best}
-    return (best if errors[best] < start else None), report
 
 
 def _adam(block, run, inputs, targets, settings: RefineSettings, steps: int, seed: int, progress) -> None:
@@ -287,8 +258,8 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
         attn = block.self_attn
         if settings.refit_o_proj:  # one pass gives the loss before and after the refit (exactly)
             folds = _o_proj_moments(block, run, inputs, targets)
-            moments = _sum(folds)
-            before = _quadratic_loss(_o_proj_matrix(attn.o_proj), *moments)
+            moments = sum_folds(folds)
+            before = loss_of(_o_proj_matrix(attn.o_proj), *moments)
         else:
             before = layer_loss(block, run, inputs, targets, settings.loss)
         report["loss_before"] = before
@@ -299,20 +270,21 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
         if settings.refit_o_proj and n < 2:
             report["refit"] = "skipped: two-fold validation needs at least 2 sequences"
         elif settings.refit_o_proj:
-            ridge, validation = _choose_ridge(_o_proj_matrix(attn.o_proj), folds)
+            ridge, validation = choose_ridge(_o_proj_matrix(attn.o_proj), folds,
+                                             lambda m, ridge: ridge_solve(m[0], m[1], ridge))
             report |= validation
             if ridge is None:
                 report["refit"] = "skipped: no ridge beat the closed form on held-out sequences"
             else:
-                w = _solve(moments[0], moments[1], ridge)
-                refit = _quadratic_loss(w, *moments)
+                w = ridge_solve(moments[0], moments[1], ridge)
+                refit = loss_of(w, *moments)
                 report["loss_after_refit"] = refit
                 if refit < best[0]:
                     o = attn.o_proj
                     o.weight.copy_(w[:, : o.in_features].to(o.weight.dtype))
                     if o.bias is not None:
                         o.bias.copy_(w[:, -1].to(o.bias.dtype))
-                    best = (_quadratic_loss(_o_proj_matrix(o), *moments), "o_proj refit",
+                    best = (loss_of(_o_proj_matrix(o), *moments), "o_proj refit",
                             {k: v.detach().clone() for k, v in attn.state_dict().items()})
             del folds, moments
         steps = settings.steps(n)

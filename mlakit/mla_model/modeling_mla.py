@@ -76,7 +76,8 @@ class MLAAttention(nn.Module):
     def _rotate(self, x, cos, sin):
         return x * cos + rotate_half(x) * sin
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    def _project(self, hidden_states, position_embeddings):
+        """q_nope (B, H, S, d), rotated q_rope (B, H, S, d_R), c_kv (B, S, r), rotated k_rope (B, S, d_R)."""
         B, S, _ = hidden_states.shape
         H, d_nope, d_rope, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q = self.q_proj(hidden_states).view(B, S, H, d_nope + d_rope).transpose(1, 2)  # (B, H, S, d+d_R)
@@ -85,14 +86,32 @@ class MLAAttention(nn.Module):
         cos, sin = position_embeddings
         cols = torch.tensor(self.rope_columns, dtype=torch.long, device=cos.device)
         cos, sin = cos.index_select(-1, cols), sin.index_select(-1, cols)  # (B, S, d_R)
-        q_rope = self._rotate(q_rope, cos[:, None], sin[:, None])
-        k_rope = self._rotate(k_rope, cos, sin)
+        return q_nope, self._rotate(q_rope, cos[:, None], sin[:, None]), c_kv, self._rotate(k_rope, cos, sin)
+
+    def latent_attention(self, hidden_states, position_embeddings, attention_mask=None):
+        """The attention-weighted latent of every head, a_{h,t} = sum_s p_{h,t,s} c_kv,s, (B, S, H, r):
+        what each head's value map W_UV_h turns into its output (o_h = W_UV_h a_h), with this layer's
+        own scores. No cache; the conversion's value refit (mlakit.convert.refit_moments) reads it."""
+        q_nope, q_rope, c_kv, k_rope = self._project(hidden_states, position_embeddings)
+        B, H, S, _ = q_nope.shape
+        T = c_kv.shape[1]
+        kv = self.kv_b_proj(c_kv).view(B, T, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
+        k = torch.cat([kv[..., : self.qk_nope_head_dim], k_rope[:, None].expand(B, H, T, self.qk_rope_head_dim)], -1)
+        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, d + d_R)
+        bias = None if attention_mask is None else attention_mask.additive(q.dtype)
+        latent = c_kv[:, None].expand(B, H, T, self.kv_lora_rank)  # (B, H, T, r): the latent as every head's value
+        out = F.scaled_dot_product_attention(q, k, latent, attn_mask=bias, is_causal=False, scale=self.scaling)
+        return out.transpose(1, 2)  # (B, S, H, r)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        B, S, _ = hidden_states.shape
+        q_nope, q_rope, c_kv, k_rope = self._project(hidden_states, position_embeddings)
         if cache is not None:
             c_kv, k_rope = cache.update(c_kv[:, None], k_rope[:, None], self.layer_idx)
             c_kv, k_rope = c_kv[:, 0], k_rope[:, 0]  # (B, T, r), (B, T, d_R): views, no copy
         if S == 1 and self.absorb_decode and attention_mask is not None and attention_mask.decode_bounds is not None:
             out = self._absorbed(q_nope[:, :, 0], q_rope[:, :, 0], c_kv, k_rope, *attention_mask.decode_bounds)
-            out = out.reshape(B, 1, H * self.v_head_dim)
+            out = out.reshape(B, 1, self.num_heads * self.v_head_dim)
         else:
             out = self._expanded(q_nope, q_rope, c_kv, k_rope, attention_mask)
         return self.o_proj(out), None

@@ -29,6 +29,9 @@ With ``--refine layer`` it keeps both streams too: after the closed form, each c
 refined (``refine.refine_layer``) from its inputs on the converted stream toward the source
 layer's attention output on the source stream, so it compensates the error the layers below it
 left; the refined layer is the one written and the one the converted stream runs through.
+``--refine values`` needs the source stream only: each converted layer's value maps and o_proj
+are refitted (``refine_values``) from moments of its attention-weighted latents on the source
+layer's own input, against the source attention's output on it.
 
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -53,7 +56,9 @@ from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulat
 from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
-from ..convert.refine import attention_residual, refine_layer
+from ..convert.refine import attention_output, attention_residual, refine_layer
+from ..convert.refine_values import add_batch, refit_values
+from ..convert.refit_moments import FoldMoments
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
 from .layer_runner import MLALayers, SourceLayers
@@ -90,8 +95,9 @@ class LayerDriver:
         self.src_layers = SourceLayers(src.config, setup.shape.window, setup.device)
         self.n_calib = 0 if setup.calib_ids is None else setup.calib_ids.shape[0]
         self.refining = setup.refine is not None and self.n_calib > 0
-        # a converted hidden-state stream beside the source's: sequential statistics or refinement inputs
-        self.two_streams = self.sequential or self.refining
+        # a converted hidden-state stream beside the source's: sequential statistics or the inputs of
+        # --refine layer (--refine values reads the source stream only)
+        self.two_streams = self.sequential or (self.refining and setup.refine.method == "layer")
         # sequences the converted stream (and, in the convert pass of a two-pass plan, the source
         # stream) must carry: all for sequential statistics, else only those refinement reads
         self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
@@ -289,8 +295,9 @@ class LayerDriver:
         mla_layers = MLALayers(c.placeholder_config(ranks), c.device)
         for rec in st["layers"]:
             mla_layers.config.rope_freq_index[rec["layer"]] = rec["rope_freq_index"]
-        if self.two_streams and not st["layers"]:  # both streams start from the embeddings
-            self._embed((SOURCE, CONVERTED))
+        if (self.two_streams or self.refining) and not st["layers"]:  # the streams start from the embeddings
+            # (a statistics pass left the source slots at the last layer's hidden states)
+            self._embed((SOURCE, CONVERTED) if self.two_streams else (SOURCE,))
         writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
         try:
             with self._progress("converting layers", len(st["layers"])) as bar:
@@ -343,9 +350,41 @@ class LayerDriver:
         mla_layers.config.rope_freq_index[i] = list(mla.freq_index)
         record = {"layer": i, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.rope_dim,
                   "rope_freq_index": list(mla.freq_index)}
-        if self.refining:
+        if self.refining and c.refine.method == "values":
+            record["refine"] = self._refit_values(i, tensors, mla, out, mla_layers)
+        elif self.refining:
             record["refine"] = self._refine(i, tensors, mla, out, mla_layers)
         return out, record
+
+    def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
+        """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
+        c = self.c
+        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
+        return mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
+
+    def _write_attention(self, i: int, block, out: dict) -> None:
+        prefix = names.attn_prefix(i)
+        for name, t in block.self_attn.state_dict().items():
+            out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
+
+    def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
+        """``--refine values`` on converted layer I: moments of its latents and of the source attention's
+        output over the first sequences of the source stream, then ``refit_values``; when the refit was
+        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry."""
+        c = self.c
+        n, bs = c.refine.used(self.n_calib), c.batch_size
+        src_layer = self.src_layers.layer(i, tensors)
+        block = self._float32_layer(i, tensors, mla, mla_layers)
+        moments = FoldMoments()
+        with torch.no_grad():
+            for s in range(0, n, bs):
+                x = self.store.read(SOURCE + i % 2, s, min(s + bs, n)).to(c.device)
+                add_batch(moments, block, mla_layers.run, x, attention_output(src_layer, self.src_layers.run, x), s)
+        del src_layer
+        report = refit_values(block, moments.result())
+        if report["kept"] == "values refit":
+            self._write_attention(i, block, out)
+        return {"method": "values", "sequences": n} | report
 
     def _refine(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """Refine converted layer I (float32, from MLA) on the first sequences of the converted stream
@@ -362,15 +401,12 @@ class LayerDriver:
             ])
         del src_layer
         inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
-        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
-        block = mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
+        block = self._float32_layer(i, tensors, mla, mla_layers)
         report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
                               progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
                                                           disable=c.opts.quiet, file=sys.stderr))
         if report["kept"] in ("o_proj refit", "adam"):
-            prefix = names.attn_prefix(i)
-            for name, t in block.self_attn.state_dict().items():
-                out[prefix + name] = t.detach().to(c.dtype).contiguous()
+            self._write_attention(i, block, out)
         return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
                                        "cv_loss_start", "cv_loss_refit", "refit") if k in report}
 

@@ -1,0 +1,143 @@
+"""``--refine values``: refit one converted attention's value maps and o_proj jointly, from moments.
+
+After the closed form, each head's value map W_UV_h (the value rows of ``kv_b_proj``) and
+``o_proj`` are refitted so that the converted attention's output matches the source layer's
+attention output (math and algebra: ``refit_moments``). The inputs are the SOURCE's hidden states
+of the layer (the converted layer is fed what the source layer was fed), not the converted
+model's: the fit then needs no forward of the converted model below the layer, only the
+attention-weighted latents a_h (``MLAAttention.latent_attention``) and the source attention's
+output over the calibration sequences, gathered as second moments (``add_batch``). Inputs from the
+converted stream (compensating the error of the layers below, as ``--refine layer`` does) fitted the
+calibration text better but unseen text worse in an earlier implementation of this refit; that
+variant is not implemented here and was not re-measured.
+
+Only W_UV and o_proj change: the latent, the rotary key, the scores and so the cache stay as the
+closed form made them. The refit is skipped when the start is already exact (the full-rank
+conversion must stay bit-exact), when no ridge beats the closed form on held-out sequences, and
+when it does not lower the calibration loss: it never returns a higher loss than it was given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .refine import EXACT_LOSS
+from .refit_moments import (
+    VALUE_RIDGES,
+    FoldMoments,
+    choose_ridge,
+    effective_map,
+    fit_values,
+    loss_of,
+    sum_folds,
+)
+
+__all__ = ["add_batch", "latent_inputs", "refit_values"]
+
+
+class _Stop(Exception):
+    """Raised once the latents are taken: nothing after the attention's input is needed."""
+
+
+def latent_inputs(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """The attention-weighted latents of converted decoder layer BLOCK on HIDDEN (B, T, D), through
+    RUN(block, hidden): (B, T, H, r). The attention itself is not run (a hook stops the layer at its
+    input, which it reads with the layer's own norm, rotary table and mask)."""
+    seen = {}
+
+    def hook(module, args):
+        seen["a"] = module.latent_attention(*args[:3])
+        raise _Stop
+
+    handle = block.self_attn.register_forward_pre_hook(hook)
+    try:
+        run(block, hidden)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    return seen["a"]
+
+
+@torch.no_grad()
+def add_batch(
+    moments: FoldMoments,
+    block: nn.Module,
+    run: Callable,
+    hidden: torch.Tensor,
+    target: torch.Tensor,
+    first: int,
+) -> None:
+    """Add sequences FIRST .. of HIDDEN (B, T, D) (the source layer's input) and TARGET (B, T, D) (the
+    source attention's output on it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias)."""
+    a = latent_inputs(block, run, hidden).double()
+    a = a.reshape(*a.shape[:2], -1)  # (B, T, H r)
+    if block.self_attn.o_proj.bias is not None:
+        a = torch.cat([a, torch.ones(*a.shape[:-1], 1, dtype=a.dtype, device=a.device)], dim=-1)
+    moments.add(a, target, first)
+
+
+def _weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """W_UV (H, d, r) and [W_O | b] (D, H d [+1]) of ATTN, float64."""
+    H, d = attn.num_heads, attn.qk_nope_head_dim
+    w_uv = attn.kv_b_proj.weight.detach().double().view(H, d + attn.v_head_dim, -1)[:, d:]
+    o = attn.o_proj
+    w_o = o.weight.detach().double()
+    return w_uv, (torch.cat([w_o, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w_o)
+
+
+def _assign(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
+    """New parameters (not in-place writes: the layer may share storage with the tensors it was built from)."""
+    H, d = attn.num_heads, attn.qk_nope_head_dim
+    kv_b = attn.kv_b_proj.weight.detach().clone().view(H, d + attn.v_head_dim, -1)
+    kv_b[:, d:] = w_uv.to(kv_b.dtype)
+    attn.kv_b_proj.weight = nn.Parameter(kv_b.view(-1, kv_b.shape[-1]), requires_grad=False)
+    o = attn.o_proj
+    o.weight = nn.Parameter(w_o[:, : o.in_features].to(o.weight.dtype).contiguous(), requires_grad=False)
+    if o.bias is not None:
+        o.bias = nn.Parameter(w_o[:, -1].to(o.bias.dtype).contiguous(), requires_grad=False)
+
+
+def refit_values(block: nn.Module, folds: list) -> dict:
+    """Refit BLOCK's W_UV and o_proj in place from FOLDS (``FoldMoments.result()`` of ``add_batch``);
+    returns the report: loss_before, loss_after (relative to the target's energy), kept, and the
+    ridge validation (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped."""
+    start = time.time()
+    attn = block.self_attn
+    w_uv, w_o = _weights(attn)
+    moments = sum_folds(folds)
+    before = loss_of(effective_map(w_uv, w_o), *moments)
+    report = {"loss_before": before}
+
+    def done(kept: str, after: float, **more) -> dict:
+        return report | more | {"loss_after": after, "kept": kept, "seconds": round(time.time() - start, 3)}
+
+    if before <= EXACT_LOSS:
+        return done("start (already exact)", before)
+    if any(f[2] == 0 for f in folds):
+        return done("start", before, refit="skipped: two-fold validation needs at least 2 sequences")
+    H, d = attn.num_heads, attn.v_head_dim
+    bias, rms = attn.o_proj.bias is not None, float(w_uv.square().mean().sqrt())
+    start_map = effective_map(w_uv, w_o)
+    ridge, validation = choose_ridge(
+        start_map,
+        folds,
+        lambda m, ridge: effective_map(*fit_values(m, ridge, start_map, H, d, bias, rms)),
+        VALUE_RIDGES,
+    )
+    report |= validation
+    if ridge is None:
+        return done("start", before, refit="skipped: no ridge beat the closed form on held-out sequences")
+    new_uv, new_o = fit_values(moments, ridge, start_map, H, d, bias, rms)
+    if loss_of(effective_map(new_uv, new_o), *moments) >= before:
+        return done("start", before, refit="skipped: no lower calibration loss than the closed form")
+    _assign(attn, new_uv, new_o)
+    after = loss_of(effective_map(*_weights(attn)), *moments)  # of the weights as stored (float32)
+    if after >= before:  # rounding ate the gain: put the closed form back
+        _assign(attn, w_uv, w_o)
+        return done("start", before, refit="skipped: no lower calibration loss after rounding")
+    return done("values refit", after)

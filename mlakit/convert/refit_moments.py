@@ -1,0 +1,176 @@
+"""Least-squares refits of a converted attention from accumulated second moments (pure math, float64).
+
+Two refits share the machinery here: moments split in two folds, ridge solves, the exact loss of
+any linear map from the moments alone, and a ridge chosen by two-fold cross-validation.
+
+**o_proj refit** (``refine.refine_layer``): z is the attention's output before o_proj, r the
+update the attention should add; fit W in r ~ W z.
+
+**Joint value / o_proj refit** (``--refine values``, ``refit_values``). Per head h the converted
+attention outputs o_h = W_UV_h a_h, where a_h = sum_s p_{h,t,s} c_kv,s (r dims) is the
+attention-weighted latent under the converted layer's own scores and latent
+(``MLAAttention.latent_attention``); the layer adds y_hat = sum_h W_O_h W_UV_h a_h (+ b). With
+a = [a_1; ...; a_H] (and a trailing 1 when o_proj has a bias) and M = [W_O_1 W_UV_1 | ... | b],
+y_hat = M a, and for a target y (the source layer's attention output)
+
+    sum ||M a - y||^2 = sum ||y||^2 - 2 <M, (A^T Y)^T> + <M (A^T A), M>,
+
+so Sigma_aa = sum a a^T, Sigma_ay = sum a y^T and sum ||y||^2 give the loss of any M exactly.
+The fit, for a ridge lambda:
+
+1. M* = argmin sum ||M a - y||^2 + lambda ||M||^2 (normal equations over all heads at once, so
+   heads that read correlated latents share the work);
+2. per head, the best rank-d approximation of M*_h in the metric of that head's latent,
+   E||(M*_h - P M*_h) a_h||^2: P projects onto the leading d left singular vectors U_d of
+   M*_h S_h^{1/2} (S_h the head's block of Sigma_aa), and W_UV_h = c U_d^T M*_h (d x r, c keeps
+   the closed form's RMS). When r <= d nothing is lost; when r > d this is where rank goes;
+3. given those W_UV, z = [W_UV_h a_h]_h is linear in a (z = B a, B block-diagonal), so
+   Sigma_zz = B Sigma_aa B^T and Sigma_zy = B Sigma_ay, and o_proj is the ridge least-squares
+   solve on them: it absorbs what step 2 lost across heads.
+
+The ridge is chosen from ``RIDGES`` on held-out sequences (fit on one fold, measure on the
+other, both ways), and ``choose_ridge`` reports None when no ridge beats the start held out: a
+calibration of few or similar sequences leaves directions of a it never excites, and an
+unregularised solve puts weight there that new text excites. The latent (and so the cache),
+the scores and the queries never change: only W_UV (the value rows of kv_b_proj) and o_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "RIDGES",
+    "FoldMoments",
+    "choose_ridge",
+    "effective_map",
+    "fit_values",
+    "loss_of",
+    "quadratic_error",
+    "ridge_solve",
+    "sum_folds",
+    "value_map_matrix",
+]
+
+# ridges of the normal equations tried, relative to their mean diagonal (a log grid from "none" to
+# strong shrinkage); the held-out error picks one (``choose_ridge``)
+RIDGES = (1e-8, 1e-6, 1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1)
+# the value refit shrinks toward the closed form, not toward zero, so a large ridge is a small step
+# from a good start rather than a collapse: its grid reaches further
+VALUE_RIDGES = (*RIDGES, 1.0, 3.0, 10.0, 30.0)
+
+Moments = tuple  # (Sigma_zz (p, p), Sigma_zr (p, D), sum ||r||^2): float64, one fold or both
+
+
+class FoldMoments:
+    """sum z z^T, sum z r^T and sum ||r||^2 (float64) over rows z, r, in two folds: sequence k
+    of the calibration set belongs to fold k % 2."""
+
+    def __init__(self):
+        self.folds = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+    def add(self, z: torch.Tensor, r: torch.Tensor, first: int) -> None:
+        """Z (B, T, p) and R (B, T, D) of sequences FIRST .. FIRST + B - 1."""
+        z, r = z.double(), r.double()
+        for k, fold in enumerate(self.folds):  # sequence first + j belongs to fold (first + j) % 2
+            zk = z[(first + k) % 2 :: 2].reshape(-1, z.shape[-1])
+            rk = r[(first + k) % 2 :: 2].reshape(-1, r.shape[-1])
+            fold[0] = fold[0] + zk.T @ zk
+            fold[1] = fold[1] + zk.T @ rk
+            fold[2] += float(rk.square().sum())
+
+    def result(self) -> list[Moments]:
+        return [tuple(f) for f in self.folds]
+
+
+def sum_folds(folds: list[Moments]) -> Moments:
+    return tuple(a + b for a, b in zip(*folds))
+
+
+def quadratic_error(w: torch.Tensor, zz, zr, rr: float) -> float:
+    """sum ||W z - r||^2 from the moments, clamped at 0 (rounding)."""
+    return max(rr - 2 * float((w * zr.T).sum()) + float(((w @ zz) * w).sum()), 0.0)
+
+
+def loss_of(w: torch.Tensor, zz, zr, rr: float) -> float:
+    """sum ||W z - r||^2 relative to sum ||r||^2."""
+    return quadratic_error(w, zz, zr, rr) / rr if rr > 0 else quadratic_error(w, zz, zr, rr)
+
+
+def ridge_solve(
+    zz: torch.Tensor, zr: torch.Tensor, ridge: float, prior: torch.Tensor | None = None
+) -> torch.Tensor:
+    """argmin_W sum ||W z - r||^2 + lam ||W - PRIOR||^2 (PRIOR None: zero), lam = ridge * mean(diag Z^T Z):
+    the normal equations (Z^T Z + lam I) W^T = Z^T R + lam PRIOR^T."""
+    lam = ridge * float(zz.diagonal().mean()) + 1e-30
+    rhs = zr if prior is None else zr + lam * prior.T
+    return torch.linalg.solve(zz + lam * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), rhs).T
+
+
+def choose_ridge(
+    w0: torch.Tensor,
+    folds: list[Moments],
+    fit: Callable[[Moments, float], torch.Tensor],
+    ridges: tuple[float, ...] = RIDGES,
+):
+    """The ridge whose fit (``fit(moments, ridge) -> W``, W acting on z like W0) has the lowest
+    held-out error over the two folds, or None when none beats W0's own held-out error; and the
+    report (cv_loss_start, cv_loss_refit, ridge)."""
+    held = lambda w_of: sum(quadratic_error(w_of(1 - f), *folds[f]) for f in (0, 1))  # noqa: E731
+    start = held(lambda f: w0)
+    errors = {r: held(lambda f, r=r: fit(folds[f], r)) for r in ridges}
+    best = min(errors, key=errors.get)
+    total = folds[0][2] + folds[1][2]
+    report = {"cv_loss_start": start / total, "cv_loss_refit": errors[best] / total, "ridge": best}
+    return (best if errors[best] < start else None), report
+
+
+def value_map_matrix(w_uv: torch.Tensor, bias: bool) -> torch.Tensor:
+    """B: the block-diagonal map a -> z = [W_UV_h a_h]_h of W_UV (H, d, r), (H d [+1], H r [+1]);
+    the trailing 1 of a bias-augmented a passes through."""
+    blocks = list(w_uv.double().unbind(0)) + (
+        [torch.ones(1, 1, dtype=torch.float64, device=w_uv.device)] if bias else []
+    )
+    return torch.block_diag(*blocks)
+
+
+def effective_map(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    """M = W_O B (D, H r [+1]) of W_UV (H, d, r) and o_proj W_O (D, H d [+1]): y_hat = M a."""
+    return w_o.double() @ value_map_matrix(w_uv, w_o.shape[1] > w_uv.shape[0] * w_uv.shape[1])
+
+
+def _head_values(
+    m: torch.Tensor, gram: torch.Tensor, d: int, rms: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 2 for one head: W_UV_h (d, r) spanning the best rank-d part of M_h (D, r) in the metric
+    of the head's latent GRAM (r, r), scaled to RMS; and the W_O_h (D, d) with W_O_h W_UV_h that part."""
+    evals, evecs = torch.linalg.eigh(gram)
+    root = (evecs * evals.clamp_min(0).sqrt()) @ evecs.T  # S_h^{1/2}
+    u = torch.linalg.svd(m @ root, full_matrices=False)[0][:, :d]  # (D, min(d, r, D))
+    if u.shape[1] < d:  # r < d: the head needs only r value dims; the rest stay zero
+        u = torch.cat([u, u.new_zeros(u.shape[0], d - u.shape[1])], dim=1)
+    w = u.T @ m
+    scale = float(w.square().mean().sqrt())
+    c = rms / scale if scale > 0 and rms > 0 else 1.0
+    return w * c, u / c
+
+
+def fit_values(
+    moments: Moments, ridge: float, prior: torch.Tensor, num_heads: int, head_dim: int, bias: bool, rms: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-3 of the module docstring on MOMENTS of a = [a_1; ...; a_H (; 1)] and y, each ridge
+    shrinking toward the start (PRIOR: its M, ``effective_map``; step 3 toward step 2's own o_proj, so
+    a large ridge returns the start): W_UV (H, d, r), each head scaled to RMS, and o_proj W_O (D, H d [+1])."""
+    aa, ay, _ = moments
+    r = (aa.shape[0] - int(bias)) // num_heads
+    m = ridge_solve(aa, ay, ridge, prior)  # (D, H r [+1])
+    heads = [
+        _head_values(m[:, h * r : (h + 1) * r], aa[h * r : (h + 1) * r, h * r : (h + 1) * r], head_dim, rms)
+        for h in range(num_heads)
+    ]
+    w_uv = torch.stack([w for w, _ in heads])
+    w_o = torch.cat([o for _, o in heads] + ([m[:, -1:]] if bias else []), dim=1)  # step 2's o_proj
+    b = value_map_matrix(w_uv, bias)
+    return w_uv, ridge_solve(b @ aa @ b.T, b @ ay, ridge, w_o)
