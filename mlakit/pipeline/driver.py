@@ -70,6 +70,7 @@ __all__ = ["CONVERTED", "SOURCE", "LayerDriver"]
 
 log = logging.getLogger(__name__)
 
+
 class Spilled(NamedTuple):
     """What the statistics pass of a two-pass plan computed for one layer and the convert pass reuses."""
 
