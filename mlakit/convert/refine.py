@@ -54,7 +54,7 @@ from ..choices import REFINE_MODES
 from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
-           "attention_residual", "layer_loss", "refine_layer"]
+           "attention_residual", "layer_loss", "refine_layer", "run_to_attention"]
 
 REFINE_LOSSES = ("attention", "block")
 ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
@@ -116,28 +116,35 @@ class RefineSettings:
 
 
 class _Stop(Exception):
-    """Raised after the attention: the rest of the block does not enter the attention loss."""
+    """Raised at the attention: the rest of the block is not needed."""
 
 
-def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """What BLOCK's attention adds to the residual stream, self_attn(norm(hidden)), through
-    RUN(block, hidden) (which supplies the mask and rotary table); the MLP is not run. Works for
-    the source's decoder layers and the converted ones alike (both return (output, ...) from
-    ``self_attn`` and add it to their input)."""
+def run_to_attention(block: nn.Module, run: Callable, hidden: torch.Tensor, grab: Callable, before: bool = False):
+    """RUN(block, HIDDEN) up to BLOCK's attention and no further (the MLP is never run); RUN supplies
+    the mask and rotary table. Returns GRAB(attention, args, output) of the attention's call, or with
+    BEFORE, GRAB(attention, args) on its inputs without running it."""
     seen = {}
 
-    def hook(module, args, output):
-        seen["out"] = output[0] if isinstance(output, tuple) else output
+    def hook(*call):
+        seen["value"] = grab(*call)
         raise _Stop
 
-    handle = block.self_attn.register_forward_hook(hook)
+    attn = block.self_attn
+    handle = attn.register_forward_pre_hook(hook) if before else attn.register_forward_hook(hook)
     try:
         run(block, hidden)
     except _Stop:
         pass
     finally:
         handle.remove()
-    return seen["out"]
+    return seen["value"]
+
+
+def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """What BLOCK's attention adds to the residual stream, self_attn(norm(hidden)), through
+    RUN(block, hidden). Works for the source's decoder layers and the converted ones alike (both
+    return (output, ...) from ``self_attn`` and add it to their input)."""
+    return run_to_attention(block, run, hidden, lambda attn, args, out: out[0] if isinstance(out, tuple) else out)
 
 
 def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .refine import EXACT_LOSS
+from .refine import EXACT_LOSS, run_to_attention
 from .refit_moments import (
     VALUE_RIDGES,
     FoldMoments,
@@ -39,28 +39,11 @@ from .refit_moments import (
 __all__ = ["add_batch", "latent_inputs", "refit_values"]
 
 
-class _Stop(Exception):
-    """Raised once the latents are taken: nothing after the attention's input is needed."""
-
-
 def latent_inputs(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
     """The attention-weighted latents of converted decoder layer BLOCK on HIDDEN (B, T, D), through
-    RUN(block, hidden): (B, T, H, r). The attention itself is not run (a hook stops the layer at its
-    input, which it reads with the layer's own norm, rotary table and mask)."""
-    seen = {}
-
-    def hook(module, args):
-        seen["a"] = module.latent_attention(*args[:3])
-        raise _Stop
-
-    handle = block.self_attn.register_forward_pre_hook(hook)
-    try:
-        run(block, hidden)
-    except _Stop:
-        pass
-    finally:
-        handle.remove()
-    return seen["a"]
+    RUN(block, hidden): (B, T, H, r). The attention itself is not run: the layer stops at its input,
+    read with the layer's own norm, rotary table and mask."""
+    return run_to_attention(block, run, hidden, lambda attn, args: attn.latent_attention(*args[:3]), before=True)
 
 
 @torch.no_grad()
