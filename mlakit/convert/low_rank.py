@@ -88,16 +88,17 @@ def metric_spectrum(w_y, sigma_half, metric_half):
     return (a @ v) * _alive(s2, cols), s2
 
 
-def metric_gram(w_y: torch.Tensor, sigma_half: torch.Tensor, metric) -> torch.Tensor:
+def metric_gram(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, metric_half=None) -> torch.Tensor:
     """The smaller Gram matrix of A = M^1/2 W_y R (R = SIGMA_HALF): (X, X) A^T A = R^T W^T M W R when
     W_y has more rows than columns (MHA; it needs no power of M), else (Y, Y) A A^T. The costly
     product that the rank planner's error curve and the factorisation share (``metric_energy``,
-    ``metric_factor``): a two-pass conversion computes it once and passes it to both."""
+    ``metric_factor``): a two-pass conversion computes it once and passes it to both. METRIC_HALF:
+    M^1/2 when the caller has it already (only the wide case reads it)."""
     metric, w = as_block_metric(metric), w_y.double()
     wr = w @ sigma_half.double()  # (Y, X)
     if w.shape[0] > w.shape[1]:
         return metric.gram(wr)
-    a = metric.powers((0.5,))[0] @ wr
+    a = (metric.powers((0.5,))[0] if metric_half is None else metric_half) @ wr
     return a @ a.T
 
 
@@ -127,8 +128,8 @@ def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int
     metric, w, r_fac = as_block_metric(metric), w_y.double(), sigma_half.double()
     rows, cols = w.shape
     k = min(rank, rows, cols)
-    gram = metric_gram(w, r_fac, metric) if gram is None else gram
     if rows > cols:
+        gram = metric_gram(w, r_fac, metric) if gram is None else gram
         s2, v = _top_eigh(gram, k)
         s2 = s2.clamp_min(0)
         del gram
@@ -136,8 +137,8 @@ def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int
         up = wz * _alive(s2, cols)
         down = (metric @ up).T @ w  # S^-1 (M W R V_r)^T W
         return down, up
-    _, u = _top_eigh(gram, k)
-    m_half, m_ihalf = metric.powers((0.5, -0.5))
+    m_half, m_ihalf = metric.powers((0.5, -0.5))  # one eigendecomposition of the blocks serves both
+    _, u = _top_eigh(metric_gram(w, r_fac, metric, m_half) if gram is None else gram, k)
     return (m_half @ u).T @ w, m_ihalf @ u
 
 
