@@ -10,7 +10,9 @@ calibration sees sequences of ``calib_seq_len`` tokens (256 by default), so the 
 show how a conversion fitted on short sequences holds up on long ones. With --score-scales, each
 converted model is also scored with every attention score multiplied by each scale (its
 ``softmax_scale`` times the scale, in every layer): a diagnostic of how much of the loss is
-attention that has become flatter than the source's, not a conversion option.
+attention that has become flatter than the source's, not a conversion option. --score-growth
+T0:BETA (repeatable) does the same with a scale that grows with the query's position t (from 0):
+1 + BETA * ln((t + 1) / T0) beyond T0, 1 before.
 
 The texts are those of quality_ablation.py (the builtin evaluation text, GPL-3, the Vim manual).
 Writes position_quality.{md,json} to --out.
@@ -29,6 +31,7 @@ from quality_ablation import load_texts
 
 from mlakit.io.source import open_source
 from mlakit.mla_model import MLAForCausalLM
+from mlakit.mla_model.modeling_mla import MLAAttention
 
 
 @torch.no_grad()
@@ -54,19 +57,58 @@ def buckets(window: int) -> list[tuple[int, int]]:
     return list(zip(edges, edges[1:]))
 
 
+def set_scores(model, base: list[float], scale: float, growth: tuple[float, float] | None) -> None:
+    """Every attention of MODEL scores with BASE[layer] * SCALE, times the position growth (t0, beta) if given."""
+    for layer, b in zip(model.model.layers, base):
+        attn = layer.self_attn
+        attn.scaling = b * scale
+        attn.__dict__.pop("_project", None)  # back to the class's projection
+        if growth is not None:
+            t0, beta = growth
+
+            def project(hidden, rotary, attn=attn, t0=t0, beta=beta):
+                q_nope, q_rope, c_kv, k_rope = MLAAttention._project(attn, hidden, rotary)
+                t = torch.arange(1, hidden.shape[1] + 1, dtype=q_nope.dtype, device=q_nope.device)
+                g = 1 + beta * (t / t0).log().clamp_min(0)  # (S,), queries at (B, H, S, .)
+                return q_nope * g[:, None], q_rope * g[:, None], c_kv, k_rope
+
+            attn._project = project
+
+
+def parse_growth(spec: str) -> tuple[float, float]:
+    try:
+        t0, beta = (float(v) for v in spec.split(":"))
+    except ValueError:
+        raise SystemExit(f"--score-growth {spec!r}: expected T0:BETA, e.g. 128:0.15") from None
+    if t0 <= 0:
+        raise SystemExit(f"--score-growth {spec!r}: T0 must be a positive position")
+    return t0, beta
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="default")
     ap.add_argument("--converted", nargs="+", required=True, type=Path, help="converted checkpoint directories")
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of each text (whole windows of it are scored)")
+    ap.add_argument("--texts", default=None, help="comma-separated names of the texts to score (default: all)")
     ap.add_argument("--score-scales", default="1", help="comma-separated multipliers of every attention score")
+    ap.add_argument("--score-growth", action="append", default=[], metavar="T0:BETA",
+                    help="also score with a scale growing with the position (diagnostic; repeatable)")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
+    growths = [parse_growth(g) for g in args.score_growth]
+    if args.tokens < args.window:
+        raise SystemExit(f"--tokens {args.tokens} holds no window of {args.window} tokens; raise --tokens or lower --window")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     source = open_source(args.source)
     texts = load_texts(source.tokenizer(), args.tokens)
+    if args.texts:
+        unknown = set(args.texts.split(",")) - set(texts)
+        if unknown:
+            raise SystemExit(f"--texts: {sorted(unknown)} not among the texts on this machine: {sorted(texts)}")
+        texts = {k: v for k, v in texts.items() if k in args.texts.split(",")}
     src_model = source.load_model(torch.float32)
     limit = getattr(src_model.config, "max_position_embeddings", None)
     if limit is not None and args.window > limit:
@@ -78,10 +120,11 @@ def main():
     for path in args.converted:
         model = MLAForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
         base = [layer.self_attn.scaling for layer in model.model.layers]
-        for scale in [float(s) for s in args.score_scales.split(",")]:
-            for layer, b in zip(model.model.layers, base):
-                layer.self_attn.scaling = b * scale
-            row = {"model": str(path), "score_scale": scale, "texts": {}}
+        variants = [(float(s), None) for s in args.score_scales.split(",")]
+        variants += [(1.0, g) for g in growths]
+        for scale, growth in variants:
+            set_scores(model, base, scale, growth)
+            row = {"model": str(path), "score_scale": scale, "score_growth": growth, "texts": {}}
             for k, ids in texts.items():
                 diff = token_nll(model, ids, args.window) - src[k]
                 row["texts"][k] = {"all": math.exp(float(diff.mean())),
@@ -104,7 +147,8 @@ def render(meta: dict, rows: list[dict]) -> str:
              f"Whole run {meta['seconds']} s.", "", head, "|---|---|---|---|" + "---|" * len(spans)]
     for r in rows:
         for k, c in r["texts"].items():
-            lines.append(f"| {Path(r['model']).name} | {r['score_scale']:g} | {k} | {c['all']:.3f} | "
+            scale = f"{r['score_scale']:g}" if not r.get("score_growth") else "1 + {1:g} ln(t/{0:g})".format(*r["score_growth"])
+            lines.append(f"| {Path(r['model']).name} | {scale} | {k} | {c['all']:.3f} | "
                          + " | ".join(f"{v:.2f}" for v in c["buckets"]) + " |")
     return "\n".join(lines) + "\n"
 
