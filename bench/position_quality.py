@@ -103,6 +103,9 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     source = open_source(args.source)
+    limit = getattr(source.config, "max_position_embeddings", None)
+    if limit is not None and args.window > limit:
+        raise SystemExit(f"--window {args.window} is longer than the source's context ({limit}); pick at most {limit}")
     texts = load_texts(source.tokenizer(), args.tokens)
     if args.texts:
         unknown = set(args.texts.split(",")) - set(texts)
@@ -110,9 +113,6 @@ def main():
             raise SystemExit(f"--texts: {sorted(unknown)} not among the texts on this machine: {sorted(texts)}")
         texts = {k: v for k, v in texts.items() if k in args.texts.split(",")}
     src_model = source.load_model(torch.float32)
-    limit = getattr(src_model.config, "max_position_embeddings", None)
-    if limit is not None and args.window > limit:
-        raise SystemExit(f"--window {args.window} is longer than the source's context ({limit}); pick at most {limit}")
     src = {k: token_nll(src_model, ids, args.window) for k, ids in texts.items()}
     del src_model
     spans = buckets(args.window)
