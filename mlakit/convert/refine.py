@@ -147,6 +147,21 @@ def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> t
     return run_to_attention(block, run, hidden, lambda attn, args, out: out[0] if isinstance(out, tuple) else out)
 
 
+def attention_and_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BLOCK's attention output (as ``attention_output``) and the block's whole output, from one run."""
+    seen = {}
+
+    def hook(attn, args, out):
+        seen["attention"] = out[0] if isinstance(out, tuple) else out
+
+    handle = block.self_attn.register_forward_hook(hook)
+    try:
+        out = run(block, hidden)
+    finally:
+        handle.remove()
+    return seen["attention"], out
+
+
 def attention_residual(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
     """The residual stream after BLOCK's attention, hidden + self_attn(norm(hidden))."""
     return hidden + attention_output(block, run, hidden)
@@ -278,7 +293,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
             report["refit"] = "skipped: two-fold validation needs at least 2 sequences"
         elif settings.refit_o_proj:
             ridge, validation = choose_ridge(_o_proj_matrix(attn.o_proj), folds,
-                                             lambda m, ridge: ridge_solve(m[0], m[1], ridge))
+                                             lambda f, ridge: ridge_solve(*folds[f][:2], ridge))
             report |= validation
             if ridge is None:
                 report["refit"] = "skipped: no ridge beat the closed form on held-out sequences"

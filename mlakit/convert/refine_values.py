@@ -32,8 +32,9 @@ from .refit_moments import (
     choose_ridge,
     effective_map,
     fit_values,
-    loss_of,
+    head_roots,
     sum_folds,
+    values_error,
 )
 
 __all__ = ["add_batch", "latent_inputs", "refit_values"]
@@ -93,7 +94,8 @@ def refit_values(block: nn.Module, folds: list) -> dict:
     attn = block.self_attn
     w_uv, w_o = _weights(attn)
     moments = sum_folds(folds)
-    before = loss_of(effective_map(w_uv, w_o), *moments)
+    loss = lambda uv, o: values_error(uv, o, moments) / moments[2] if moments[2] > 0 else 0.0  # noqa: E731
+    before = loss(w_uv, w_o)
     report = {"loss_before": before}
 
     def done(kept: str, after: float, **more) -> dict:
@@ -106,20 +108,22 @@ def refit_values(block: nn.Module, folds: list) -> dict:
     H, d = attn.num_heads, attn.v_head_dim
     bias, rms = attn.o_proj.bias is not None, float(w_uv.square().mean().sqrt())
     start_map = effective_map(w_uv, w_o)
+    roots = [head_roots(f[0], H) for f in folds]  # each fold's metric, shared by its ridges
     ridge, validation = choose_ridge(
-        start_map,
+        (w_uv, w_o),
         folds,
-        lambda m, ridge: effective_map(*fit_values(m, ridge, start_map, H, d, bias, rms)),
+        lambda f, ridge: fit_values(folds[f], ridge, start_map, H, d, bias, rms, roots[f]),
         VALUE_RIDGES,
+        error=lambda fitted, m: values_error(*fitted, m),
     )
     report |= validation
     if ridge is None:
         return done("start", before, refit="skipped: no ridge beat the closed form on held-out sequences")
     new_uv, new_o = fit_values(moments, ridge, start_map, H, d, bias, rms)
-    if loss_of(effective_map(new_uv, new_o), *moments) >= before:
+    if loss(new_uv, new_o) >= before:
         return done("start", before, refit="skipped: no lower calibration loss than the closed form")
     _assign(attn, new_uv, new_o)
-    after = loss_of(effective_map(*_weights(attn)), *moments)  # of the weights as stored (float32)
+    after = loss(*_weights(attn))  # of the weights as stored (float32)
     if after >= before:  # rounding ate the gain: put the closed form back
         _assign(attn, w_uv, w_o)
         return done("start", before, refit="skipped: no lower calibration loss after rounding")

@@ -47,11 +47,13 @@ __all__ = [
     "choose_ridge",
     "effective_map",
     "fit_values",
+    "head_roots",
     "loss_of",
+    "project_moments",
     "quadratic_error",
     "ridge_solve",
     "sum_folds",
-    "value_map_matrix",
+    "values_error",
 ]
 
 # ridges of the normal equations tried, relative to their mean diagonal (a log grid from "none" to
@@ -103,51 +105,85 @@ def ridge_solve(
     zz: torch.Tensor, zr: torch.Tensor, ridge: float, prior: torch.Tensor | None = None
 ) -> torch.Tensor:
     """argmin_W sum ||W z - r||^2 + lam ||W - PRIOR||^2 (PRIOR None: zero), lam = ridge * mean(diag Z^T Z):
-    the normal equations (Z^T Z + lam I) W^T = Z^T R + lam PRIOR^T."""
+    the normal equations (Z^T Z + lam I) W^T = Z^T R + lam PRIOR^T, by Cholesky (the matrix is positive
+    definite for any lam > 0; a general solve takes over where rounding makes the factorisation fail)."""
     lam = ridge * float(zz.diagonal().mean()) + 1e-30
     rhs = zr if prior is None else zr + lam * prior.T
-    return torch.linalg.solve(zz + lam * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device), rhs).T
+    lhs = zz + lam * torch.eye(zz.shape[0], dtype=zz.dtype, device=zz.device)
+    factor, info = torch.linalg.cholesky_ex(lhs)
+    if int(info) == 0:
+        return torch.cholesky_solve(rhs, factor).T
+    return torch.linalg.solve(lhs, rhs).T
 
 
 def choose_ridge(
-    w0: torch.Tensor,
+    w0,
     folds: list[Moments],
-    fit: Callable[[Moments, float], torch.Tensor],
+    fit: Callable[[int, float], object],
     ridges: tuple[float, ...] = RIDGES,
+    error: Callable[[object, Moments], float] | None = None,
 ):
-    """The ridge whose fit (``fit(moments, ridge) -> W``, W acting on z like W0) has the lowest
-    held-out error over the two folds, or None when none beats W0's own held-out error; and the
-    report (cv_loss_start, cv_loss_refit, ridge)."""
-    held = lambda w_of: sum(quadratic_error(w_of(1 - f), *folds[f]) for f in (0, 1))  # noqa: E731
+    """The ridge whose fit (``fit(fold, ridge)``: fitted on ``folds[fold]``) has the lowest held-out
+    error over the two folds, or None when none beats W0's own held-out error; and the report
+    (cv_loss_start, cv_loss_refit, ridge). ERROR(fitted, moments) is the summed squared error of a
+    fit (or of W0) on MOMENTS; by default fits are matrices W acting on z (``quadratic_error``)."""
+    error = error or (lambda w, m: quadratic_error(w, *m))
+    held = lambda w_of: sum(error(w_of(1 - f), folds[f]) for f in (0, 1))  # noqa: E731
     start = held(lambda f: w0)
-    errors = {r: held(lambda f, r=r: fit(folds[f], r)) for r in ridges}
+    errors = {r: held(lambda f, r=r: fit(f, r)) for r in ridges}
     best = min(errors, key=errors.get)
     total = folds[0][2] + folds[1][2]
     report = {"cv_loss_start": start / total, "cv_loss_refit": errors[best] / total, "ridge": best}
     return (best if errors[best] < start else None), report
 
 
-def value_map_matrix(w_uv: torch.Tensor, bias: bool) -> torch.Tensor:
-    """B: the block-diagonal map a -> z = [W_UV_h a_h]_h of W_UV (H, d, r), (H d [+1], H r [+1]);
-    the trailing 1 of a bias-augmented a passes through."""
-    blocks = list(w_uv.double().unbind(0)) + (
-        [torch.ones(1, 1, dtype=torch.float64, device=w_uv.device)] if bias else []
-    )
-    return torch.block_diag(*blocks)
+def project_moments(w_uv: torch.Tensor, moments: Moments, bias: bool) -> Moments:
+    """The moments of z = B a (``B``: the block-diagonal map a -> [W_UV_h a_h]_h of W_UV (H, d, r), with a
+    bias-augmented a's trailing 1 passed through) from those of a: (B Sigma_aa B^T, B Sigma_ay, sum ||y||^2),
+    block by block (B is never formed: a dense product would cost H times as much)."""
+    aa, ay, yy = moments
+    H, d, r = w_uv.shape
+    w, n = w_uv.double(), H * r
+    blocks = torch.einsum("hdr,hrgs->hdgs", w, aa[:n, :n].reshape(H, r, H, r))
+    zz = torch.einsum("hdgs,ges->hdge", blocks, w).reshape(H * d, H * d)
+    zy = torch.einsum("hdr,hrk->hdk", w, ay[:n].reshape(H, r, -1)).reshape(H * d, -1)
+    if bias:
+        cross = torch.einsum("hdr,hr->hd", w, aa[:n, n].reshape(H, r)).reshape(H * d, 1)
+        zz = torch.cat([torch.cat([zz, cross], 1), torch.cat([cross.T, aa[n:, n:]], 1)], 0)
+        zy = torch.cat([zy, ay[n:]], 0)
+    return zz, zy, yy
 
 
 def effective_map(w_uv: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     """M = W_O B (D, H r [+1]) of W_UV (H, d, r) and o_proj W_O (D, H d [+1]): y_hat = M a."""
-    return w_o.double() @ value_map_matrix(w_uv, w_o.shape[1] > w_uv.shape[0] * w_uv.shape[1])
+    H, d, r = w_uv.shape
+    w_o = w_o.double()
+    m = torch.einsum("khd,hdr->khr", w_o[:, : H * d].reshape(-1, H, d), w_uv.double()).reshape(-1, H * r)
+    return torch.cat([m, w_o[:, H * d :]], dim=1)  # the bias column, if any, acts on a's trailing 1
+
+
+def values_error(w_uv: torch.Tensor, w_o: torch.Tensor, moments: Moments) -> float:
+    """sum ||W_O B a - y||^2 of value maps W_UV and o_proj W_O (bias column included) on MOMENTS of a, y."""
+    return quadratic_error(w_o.double(), *project_moments(w_uv, moments, w_o.shape[1] > w_uv.shape[0] * w_uv.shape[1]))
+
+
+def head_roots(aa: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
+    """S_h^{1/2} of every head's diagonal block S_h (r, r) of Sigma_aa (a's trailing 1, if any, is left out):
+    the metric step 2 of ``fit_values`` reads, the same for every ridge of a fold."""
+    r = aa.shape[0] // num_heads  # H r or H r + 1 rows: floor division drops the bias row
+    roots = []
+    for h in range(num_heads):
+        evals, evecs = torch.linalg.eigh(aa[h * r : (h + 1) * r, h * r : (h + 1) * r])
+        roots.append((evecs * evals.clamp_min(0).sqrt()) @ evecs.T)
+    return roots
 
 
 def _head_values(
-    m: torch.Tensor, gram: torch.Tensor, d: int, rms: float
+    m: torch.Tensor, root: torch.Tensor, d: int, rms: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 for one head: W_UV_h (d, r) spanning the best rank-d part of M_h (D, r) in the metric
-    of the head's latent GRAM (r, r), scaled to RMS; and the W_O_h (D, d) with W_O_h W_UV_h that part."""
-    evals, evecs = torch.linalg.eigh(gram)
-    root = (evecs * evals.clamp_min(0).sqrt()) @ evecs.T  # S_h^{1/2}
+    of the head's latent (ROOT = S_h^{1/2}, ``head_roots``), scaled to RMS; and the W_O_h (D, d) with
+    W_O_h W_UV_h that part."""
     u = torch.linalg.svd(m @ root, full_matrices=False)[0][:, :d]  # (D, min(d, r, D))
     if u.shape[1] < d:  # r < d: the head needs only r value dims; the rest stay zero
         u = torch.cat([u, u.new_zeros(u.shape[0], d - u.shape[1])], dim=1)
@@ -158,19 +194,25 @@ def _head_values(
 
 
 def fit_values(
-    moments: Moments, ridge: float, prior: torch.Tensor, num_heads: int, head_dim: int, bias: bool, rms: float
+    moments: Moments,
+    ridge: float,
+    prior: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    bias: bool,
+    rms: float,
+    roots: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-3 of the module docstring on MOMENTS of a = [a_1; ...; a_H (; 1)] and y, each ridge
     shrinking toward the start (PRIOR: its M, ``effective_map``; step 3 toward step 2's own o_proj, so
-    a large ridge returns the start): W_UV (H, d, r), each head scaled to RMS, and o_proj W_O (D, H d [+1])."""
+    a large ridge returns the start): W_UV (H, d, r), each head scaled to RMS, and o_proj W_O (D, H d [+1]).
+    ROOTS: ``head_roots`` of these moments, when the caller fits them for several ridges."""
     aa, ay, _ = moments
     r = (aa.shape[0] - int(bias)) // num_heads
+    roots = roots if roots is not None else head_roots(aa, num_heads)
     m = ridge_solve(aa, ay, ridge, prior)  # (D, H r [+1])
-    heads = [
-        _head_values(m[:, h * r : (h + 1) * r], aa[h * r : (h + 1) * r, h * r : (h + 1) * r], head_dim, rms)
-        for h in range(num_heads)
-    ]
+    heads = [_head_values(m[:, h * r : (h + 1) * r], roots[h], head_dim, rms) for h in range(num_heads)]
     w_uv = torch.stack([w for w, _ in heads])
     w_o = torch.cat([o for _, o in heads] + ([m[:, -1:]] if bias else []), dim=1)  # step 2's o_proj
-    b = value_map_matrix(w_uv, bias)
-    return w_uv, ridge_solve(b @ aa @ b.T, b @ ay, ridge, w_o)
+    zz, zy, _ = project_moments(w_uv, moments, bias)
+    return w_uv, ridge_solve(zz, zy, ridge, w_o)

@@ -56,7 +56,7 @@ from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulat
 from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
-from ..convert.refine import attention_output, attention_residual, refine_layer
+from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
 from ..convert.refine_values import add_batch, refit_values
 from ..convert.refit_moments import FoldMoments
 from ..io.shard_stream import Cursor, ShardStreamWriter
@@ -310,8 +310,8 @@ class LayerDriver:
                         stats = self._sequential_layer(i, tensors)
                     elif c.two_pass:
                         stats = self._spilled(i)
-                        if self.refining:  # the source stream carries the refinement targets
-                            self._advance_source(i, tensors)
+                        if self.refining and c.refine.method == "layer":  # the source stream carries the
+                            self._advance_source(i, tensors)  # targets (--refine values advances it itself)
                     else:
                         stats = self._source_layer(i, tensors)
                     out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)
@@ -371,16 +371,24 @@ class LayerDriver:
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
         output over the first sequences of the source stream, then ``refit_values``; when the refit was
-        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry."""
+        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
+        In a two-pass plan the source stream is still at layer I's input: the same source run that
+        gives the targets carries it on to layer I + 1 (the one-pass plans advanced it already)."""
         c = self.c
         n, bs = c.refine.used(self.n_calib), c.batch_size
         src_layer = self.src_layers.layer(i, tensors)
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = FoldMoments()
-        with torch.no_grad():
+        advance = c.two_pass and not self.sequential and i < c.n - 1
+        with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
                 x = self.store.read(SOURCE + i % 2, s, min(s + bs, n)).to(c.device)
-                add_batch(moments, block, mla_layers.run, x, attention_output(src_layer, self.src_layers.run, x), s)
+                if sink is not None:
+                    target, following = attention_and_output(src_layer, self.src_layers.run, x)
+                    sink.write(following)
+                else:
+                    target = attention_output(src_layer, self.src_layers.run, x)
+                add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
         report = refit_values(block, moments.result())
         if report["kept"] == "values refit":
