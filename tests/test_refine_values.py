@@ -16,6 +16,7 @@ from mlakit.convert.refine import RefineSettings, attention_output
 from mlakit.convert.refine_values import add_batch, latent_inputs, refit_values
 from mlakit.convert.refit_moments import FoldMoments
 from mlakit.io.work_dir import work_dir_for
+from mlakit.pipeline import driver
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
 from tests import test_streaming
 from tests.convert_helpers import assert_same_bytes, checkpoint_tensors, fast_args, run
@@ -205,18 +206,23 @@ def test_cli_refine_values_with_epochs_names_the_flag(tiny_sources, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source, tmp_path):
+@pytest.mark.parametrize("keep_inputs", [True, False])
+def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source, tmp_path, monkeypatch, keep_inputs):
     """A statistics pass (fisher) leaves the source slots at the last layer's hidden states; the
-    convert pass must embed again, or layer 0 is refitted on another layer's inputs (a bug that
-    kept in-memory and streaming identical, and only perplexity showed)."""
+    convert pass must read layer 0's kept inputs or embed again, or layer 0 is refitted on another
+    layer's inputs (a bug that kept in-memory and streaming identical, and only perplexity showed)."""
     import numpy as np
     from safetensors.torch import load_file
 
+    if not keep_inputs:
+        monkeypatch.setattr(driver, "KEEP_INPUTS_SHARE", 0.0)
     src, out, seen = deep_source, tmp_path / "out", {}  # 5 layers: the last one's input sits in slot 0
 
     def hook(phase, index):
         if (phase, index) == ("convert", 0):
-            seen["hidden"] = np.fromfile(work_dir_for(out) / "hidden-0.bin", dtype=np.float32)
+            name = "hidden-input-00000.bin" if keep_inputs else "hidden-0.bin"
+            seen["hidden"] = np.fromfile(work_dir_for(out) / name, dtype=np.float32)
+            seen["kept"] = sorted(p.name for p in work_dir_for(out).glob("hidden-input-*"))
 
     opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine="values")
     convert_streaming(str(src), out, opts, on_layer=hook)
@@ -224,3 +230,39 @@ def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source
     n, t = CALIB["calib_samples"], CALIB["calib_seq_len"]
     ids = torch.randint(0, emb.shape[0], (n, t), generator=torch.Generator().manual_seed(0))  # calib="random"
     assert torch.equal(torch.from_numpy(seen["hidden"]).view(n, t, -1), emb[ids].float())
+    assert seen["kept"] == ([f"hidden-input-{i:05d}.bin" for i in range(5)] if keep_inputs else [])
+
+
+@pytest.mark.parametrize("refine", ["values", "layer"])
+def test_kept_inputs_give_the_same_bytes_as_a_second_source_run(tiny_sources, tmp_path, monkeypatch, refine):
+    """Two-pass plans that refine read each layer's source inputs kept by the statistics pass; with no disk
+    to spare they run the source stream again: the same checkpoint either way, and no kept file is left."""
+    opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine=refine)
+    kept = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "kept", opts)
+    monkeypatch.setattr(driver, "KEEP_INPUTS_SHARE", 0.0)
+    again = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "again", opts)
+    assert_same_bytes(tmp_path / "kept", tmp_path / "again")
+    assert [r["refine"]["loss_after"] for r in kept["layers"]] == [r["refine"]["loss_after"] for r in again["layers"]]
+    assert not list(tmp_path.glob(".*partial*")) and not list((tmp_path / "kept").glob("hidden-*"))
+
+
+def test_values_refit_too_large_for_the_memory_is_refused_before_any_work(tiny_sources, tmp_path):
+    """The joint solve's moments grow as (H r)^2: a setting whose one layer would not fit is refused
+    with the size, the limit and the way out, before the source is calibrated or anything is written."""
+    out = tmp_path / "out"
+    code, text = run(tiny_sources["qwen2"], out, *fast_args(), "--refine", "values", "--max-memory", "100KB")
+    assert code != 0 and "--refine values" in text and "--refine layer" in text and "--max-memory" in text, text
+    assert not out.exists()
+
+
+def test_values_refit_memory_check_at_real_shapes():
+    from mlakit.arch.families import AttentionShape
+    from mlakit.pipeline.stream_memory import check_values_refit, values_refit_bytes
+
+    smollm2 = AttentionShape("llama", 9, 3, 64, 576, False, False, None)
+    llama7b = AttentionShape("llama", 32, 32, 128, 4096, False, False, None)
+    assert values_refit_bytes(smollm2, 116) < 2**27  # the main job's largest layer: under 128 MiB
+    check_values_refit(smollm2, 116, None)
+    # Llama-2-7B at 68.75% less KV (r + d_R = 2560): hundreds of GiB
+    with pytest.raises(ValueError, match="kv_lora_rank 2496"):
+        check_values_refit(llama7b, 2496, 64 * 2**30)

@@ -121,3 +121,18 @@ def test_choose_ridge_with_a_custom_error_matches_the_dense_errors():
     dense = choose_ridge(prior, folds, lambda f, r: effective_map(*fit(f, r)), VALUE_RIDGES)
     assert got[0] == dense[0]
     assert got[1] == pytest.approx(dense[1], rel=1e-8)
+
+
+def test_fold_moments_equal_the_direct_products():
+    """The half-work Gram matrix, mirrored, is Z^T Z of each fold (wider than one column block, and narrower)."""
+    for p in (5, 600):
+        z = torch.randn(5, 8, p, dtype=torch.float64)
+        r = torch.randn(5, 8, 3, dtype=torch.float64)
+        moments = FoldMoments()
+        moments.add(z[:2], r[:2], 0)
+        moments.add(z[2:], r[2:], 2)
+        for k, (zz, zr, rr) in enumerate(moments.result()):
+            zk, rk = z[k::2].reshape(-1, p), r[k::2].reshape(-1, 3)
+            assert torch.equal(zz, zz.T)
+            assert torch.allclose(zz, zk.T @ zk, rtol=1e-12, atol=1e-10)
+            assert torch.allclose(zr, zk.T @ rk) and rr == pytest.approx(float(rk.square().sum()))

@@ -4,7 +4,8 @@
 (settings fingerprint, finished layers, the shard writer's cursor), the calibration hidden
 states after the last finished layer (two raw float32 files used in turn, so the input of the
 running layer is never overwritten), the verification streams, and, for planned allocation,
-each layer's spilled statistics. Every file a commit points to is complete before
+each layer's spilled statistics (and, when a refinement follows, each layer's source inputs,
+removed as the convert pass finishes the layer). Every file a commit points to is complete before
 ``state.json`` is replaced (write to a temporary name, fsync, rename). The finished checkpoint
 is renamed to OUT; the resume-only files are removed first.
 """
@@ -66,25 +67,44 @@ class WorkDir:
 
 
 class HiddenStore:
-    """Calibration hidden states (N, L, D) float32 in two raw files, read and written by row
-    ranges with plain file IO (no memory map, so they never count toward RSS)."""
+    """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn, and
+    the kept inputs of single layers), read and written by row ranges with plain file IO (no memory map, so they never count toward RSS)."""
 
     def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int):
         self.directory = Path(directory)
         self.shape = (n_seq, seq_len, hidden)
         self._row_bytes = seq_len * hidden * 4
 
-    def path(self, slot: int) -> Path:
+    def path(self, slot: int | str) -> Path:
         return self.directory / f"hidden-{slot}.bin"
 
-    def read(self, slot: int, start: int, stop: int) -> torch.Tensor:
+    def nbytes(self, rows: int) -> int:
+        return rows * self._row_bytes
+
+    def copy_rows(self, slot: int | str, rows: int, to: int | str) -> None:
+        """The first ROWS sequences of SLOT into slot TO, synced (plain file IO, in chunks)."""
+        with open(self.path(slot), "rb") as src, open(self.path(to), "wb") as dst:
+            left = self.nbytes(rows)
+            while left:
+                chunk = src.read(min(left, 1 << 26))
+                if not chunk:
+                    raise RuntimeError(f"{self.path(slot)} is truncated; the work directory is damaged, delete it")
+                dst.write(chunk)
+                left -= len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+
+    def remove(self, slot: int | str) -> None:
+        self.path(slot).unlink(missing_ok=True)
+
+    def read(self, slot: int | str, start: int, stop: int) -> torch.Tensor:
         count = (stop - start) * self.shape[1] * self.shape[2]
         data = np.fromfile(self.path(slot), dtype=np.float32, count=count, offset=start * self._row_bytes)
         if data.size != count:
             raise RuntimeError(f"{self.path(slot)} is truncated; the work directory is damaged, delete it")
         return torch.from_numpy(data).view(stop - start, *self.shape[1:])
 
-    def writer(self, slot: int):
+    def writer(self, slot: int | str):
         """A file to append (B, L, D) chunks to, in row order; closing syncs it."""
         return _ChunkWriter(self.path(slot))
 

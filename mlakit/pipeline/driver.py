@@ -31,7 +31,9 @@ layer's attention output on the source stream, so it compensates the error the l
 left; the refined layer is the one written and the one the converted stream runs through.
 ``--refine values`` needs the source stream only: each converted layer's value maps and o_proj
 are refitted (``refine_values``) from moments of its attention-weighted latents on the source
-layer's own input, against the source attention's output on it.
+layer's own input, against the source attention's output on it. In a two-pass plan that refines,
+the statistics pass keeps each layer's source inputs on disk when they fit (``KEEP_INPUTS_SHARE``),
+so the convert pass does not run the source stream again.
 
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -79,6 +82,14 @@ class Spilled(NamedTuple):
 
 
 SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
+# A two-pass plan that refines keeps each layer's source inputs from the statistics pass when they take
+# at most this share of the work directory's free disk: the convert pass then reads them instead of
+# running the source stream a second time. Either way the output is the same, bit for bit.
+KEEP_INPUTS_SHARE = 0.25
+
+
+def _kept_input(i: int) -> str:
+    return f"input-{i:05d}"
 
 
 class LayerDriver:
@@ -214,10 +225,16 @@ class LayerDriver:
         """Planned and fisher allocation, pass 1: every layer's statistics and error curve (spilled),
         and for fisher the inputs of the sensitivity sequences."""
         c, st = self.c, self.state
+        if "kept_inputs" not in st:
+            need = c.n * self.store.nbytes(self.stream_rows) if self.n_calib else 0
+            st["kept_inputs"] = bool(self.refining and not self.sequential
+                                     and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
         with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
             for i in range(st["stats_done"], c.n):
                 self.on_layer("statistics", i)
                 tensors = self._read_layer(i)
+                if st["kept_inputs"]:
+                    self.store.copy_rows(SOURCE + i % 2, self.stream_rows, _kept_input(i))
                 if c.n_sensitivity:
                     kept = self.store.read(i % 2, 0, c.n_sensitivity)
                     self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
@@ -297,8 +314,8 @@ class LayerDriver:
         for rec in st["layers"]:
             mla_layers.config.rope_freq_index[rec["layer"]] = rec["rope_freq_index"]
         if (self.two_streams or self.refining) and not st["layers"]:  # the streams start from the embeddings
-            # (a statistics pass left the source slots at the last layer's hidden states)
-            self._embed((SOURCE, CONVERTED) if self.two_streams else (SOURCE,))
+            # (a statistics pass left the source slots at the last layer's hidden states; kept inputs need none)
+            self._embed(((CONVERTED,) if self.two_streams else ()) + (() if st.get("kept_inputs") else (SOURCE,)))
         writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
         try:
             with self._progress("converting layers", len(st["layers"])) as bar:
@@ -310,8 +327,9 @@ class LayerDriver:
                         stats = self._sequential_layer(i, tensors)
                     elif c.two_pass:
                         stats = self._spilled(i)
-                        if self.refining and c.refine.method == "layer":  # the source stream carries the
-                            self._advance_source(i, tensors)  # targets (--refine values advances it itself)
+                        if self.refining and c.refine.method == "layer" and not st.get("kept_inputs"):
+                            self._advance_source(i, tensors)  # the source stream carries the targets
+                            # (--refine values advances it itself)
                     else:
                         stats = self._source_layer(i, tensors)
                     out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)
@@ -322,6 +340,8 @@ class LayerDriver:
                     st["layers"].append(record)
                     st.setdefault("layer_seconds", []).append(round(time.time() - tick, 2))
                     self._commit(writer)
+                    if st.get("kept_inputs"):
+                        self.store.remove(_kept_input(i))
                     log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
                     bar.update()
             for name in layout.entries[writer.cursor.tensor :]:
@@ -368,21 +388,26 @@ class LayerDriver:
         for name, t in block.self_attn.state_dict().items():
             out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
 
+    def _source_input(self, i: int, start: int, stop: int) -> torch.Tensor:
+        """Sequences START .. STOP - 1 of source layer I's input: kept by the statistics pass, or the stream."""
+        return self.store.read(_kept_input(i) if self.state.get("kept_inputs") else SOURCE + i % 2, start, stop)
+
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
         output over the first sequences of the source stream, then ``refit_values``; when the refit was
         kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
-        In a two-pass plan the source stream is still at layer I's input: the same source run that
-        gives the targets carries it on to layer I + 1 (the one-pass plans advanced it already)."""
+        In a two-pass plan the statistics pass kept layer I's inputs (``KEEP_INPUTS_SHARE``), or the source
+        stream is still at layer I's input and the source run that gives the targets carries it on to
+        layer I + 1 (the one-pass plans advanced it already)."""
         c = self.c
         n, bs = c.refine.used(self.n_calib), c.batch_size
         src_layer = self.src_layers.layer(i, tensors)
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = FoldMoments()
-        advance = c.two_pass and not self.sequential and i < c.n - 1
+        advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
         with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
-                x = self.store.read(SOURCE + i % 2, s, min(s + bs, n)).to(c.device)
+                x = self._source_input(i, s, min(s + bs, n)).to(c.device)
                 if sink is not None:
                     target, following = attention_and_output(src_layer, self.src_layers.run, x)
                     sink.write(following)
@@ -404,8 +429,7 @@ class LayerDriver:
         src_layer = self.src_layers.layer(i, tensors)
         with torch.no_grad():
             targets = torch.cat([
-                attention_residual(src_layer, self.src_layers.run,
-                                   self.store.read(SOURCE + i % 2, s, min(s + bs, n)).to(c.device))
+                attention_residual(src_layer, self.src_layers.run, self._source_input(i, s, min(s + bs, n)).to(c.device))
                 for s in range(0, n, bs)
             ])
         del src_layer

@@ -32,7 +32,7 @@ from .settings import (
     resolve_lowrank,
     sensitivity_sequences,
 )
-from .stream_memory import choose_batch_size, estimate_sweep_bytes
+from .stream_memory import check_values_refit, choose_batch_size, estimate_sweep_bytes
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
@@ -119,6 +119,11 @@ class ConversionSetup:
         else:
             rank, self.rope_dim = check_ranks(opts, shape)
             self.ranks = [rank] * n
+        if self.refine is not None and self.refine.method == "values":
+            try:  # the ranks a plan picks average the uniform ones; the largest is what counts, at least that
+                check_values_refit(shape, max(self.ranks or self.uniform), stream.max_memory)
+            except ValueError as exc:
+                raise ConversionError(str(exc)) from exc
         self.calibrated = needs_calibration(opts, shape)
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
         # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)

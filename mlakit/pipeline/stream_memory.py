@@ -29,7 +29,15 @@ import torch
 
 from ..arch.families import AttentionShape
 
-__all__ = ["choose_batch_size", "current_rss", "estimate_step_bytes", "estimate_sweep_bytes", "return_free_memory"]
+__all__ = [
+    "check_values_refit",
+    "choose_batch_size",
+    "current_rss",
+    "estimate_step_bytes",
+    "estimate_sweep_bytes",
+    "return_free_memory",
+    "values_refit_bytes",
+]
 
 _F32, _F64 = 4, 8
 
@@ -108,6 +116,31 @@ def estimate_sweep_bytes(config, shape: AttentionShape, seq_len: int, sequences:
         parts["layer"] = one["layer_tensors"]
     parts["sweep_peak"] = sum(parts.values())
     return parts
+
+
+def values_refit_bytes(shape: AttentionShape, rank: int) -> int:
+    """Float64 bytes the ``--refine values`` solve of one layer holds at rank RANK: the second moments of the
+    p = H r (+1) attention-weighted latents in two folds and summed, and one p x p factorisation (the
+    (p, D) cross-moments beside them)."""
+    p = shape.num_heads * rank + 1
+    return _F64 * (4 * p * p + 3 * p * shape.hidden_size)
+
+
+def check_values_refit(shape: AttentionShape, rank: int, max_memory: int | None) -> None:
+    """Refuse ``--refine values`` before any work when one layer's solve at RANK needs more than MAX_MEMORY
+    bytes (unset: half of this machine's physical memory): it is a joint solve over every head's latent."""
+    need = values_refit_bytes(shape, rank)
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        physical = 0
+    limit, named = (max_memory, "--max-memory") if max_memory is not None else (physical // 2, "half of this machine's memory")
+    if limit and need > limit:
+        raise ValueError(
+            f"--refine values solves for all {shape.num_heads} heads' latents at once: at kv_lora_rank {rank} one "
+            f"layer's float64 moments take about {need / 2**30:.1f} GiB, more than {named} ({limit / 2**30:.1f} GiB). "
+            f"Use --refine layer (per-layer gradient refinement), or a smaller --kv-budget or --kv-lora-rank."
+        )
 
 
 def choose_batch_size(
