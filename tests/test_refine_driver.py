@@ -74,6 +74,18 @@ def test_interrupted_refined_conversion_resumes_to_identical_output(deep_source,
     assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
 
 
+@pytest.mark.parametrize("phase", ["statistics", "convert"])
+def test_interrupted_two_pass_values_refit_resumes_to_identical_output(deep_source, tmp_path, phase):
+    """Fisher + --refine values keeps each layer's source inputs and targets from the statistics pass; a
+    run stopped in either pass resumes from what it kept to the same checkpoint."""
+    opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine="values")
+    convert_streaming(str(deep_source), tmp_path / "reference", opts)
+    with pytest.raises(Interrupt):
+        convert_streaming(str(deep_source), tmp_path / "out", opts, on_layer=stop_at(phase, 3))
+    convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(resume=True))
+    assert_same_checkpoint(tmp_path / "out", tmp_path / "reference")
+
+
 def test_cli_refine_flags_reach_the_report_and_the_saved_recipe(tiny_sources, tmp_path):
     out = tmp_path / "out"
     code, text = run(tiny_sources["llama_gqa"], out, *fast_args(), "--refine", "layer", "--refine-epochs", "0.5",

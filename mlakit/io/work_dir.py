@@ -4,9 +4,9 @@
 (settings fingerprint, finished layers, the shard writer's cursor), the calibration hidden
 states after the last finished layer (two raw float32 files used in turn, so the input of the
 running layer is never overwritten), the verification streams, and, for planned allocation,
-each layer's spilled statistics (and, when a refinement follows, each layer's source inputs,
-removed as the convert pass finishes the layer). Every file a commit points to is complete before
-``state.json`` is replaced (write to a temporary name, fsync, rename). The finished checkpoint
+each layer's spilled statistics (and, when a refinement follows, each layer's source inputs and
+attention outputs, removed as the convert pass finishes the layer). Every file a commit points
+to is complete before ``state.json`` is replaced (write to a temporary name, fsync, rename). The finished checkpoint
 is renamed to OUT; the resume-only files are removed first.
 """
 
@@ -80,19 +80,6 @@ class HiddenStore:
 
     def nbytes(self, rows: int) -> int:
         return rows * self._row_bytes
-
-    def copy_rows(self, slot: int | str, rows: int, to: int | str) -> None:
-        """The first ROWS sequences of SLOT into slot TO, synced (plain file IO, in chunks)."""
-        with open(self.path(slot), "rb") as src, open(self.path(to), "wb") as dst:
-            left = self.nbytes(rows)
-            while left:
-                chunk = src.read(min(left, 1 << 26))
-                if not chunk:
-                    raise RuntimeError(f"{self.path(slot)} is truncated; the work directory is damaged, delete it")
-                dst.write(chunk)
-                left -= len(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
 
     def remove(self, slot: int | str) -> None:
         self.path(slot).unlink(missing_ok=True)

@@ -32,8 +32,8 @@ left; the refined layer is the one written and the one the converted stream runs
 ``--refine values`` needs the source stream only: each converted layer's value maps and o_proj
 are refitted (``refine_values``) from moments of its attention-weighted latents on the source
 layer's own input, against the source attention's output on it. In a two-pass plan that refines,
-the statistics pass keeps each layer's source inputs on disk when they fit (``KEEP_INPUTS_SHARE``),
-so the convert pass does not run the source stream again.
+the statistics pass keeps each layer's source inputs and attention outputs on disk when they fit
+(``KEEP_INPUTS_SHARE``), so the convert pass does not run the source stream again.
 
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -82,14 +82,16 @@ class Spilled(NamedTuple):
 
 
 SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
-# A two-pass plan that refines keeps each layer's source inputs from the statistics pass when they take
-# at most this share of the work directory's free disk: the convert pass then reads them instead of
-# running the source stream a second time. Either way the output is the same, bit for bit.
+# A two-pass plan that refines keeps each layer's source inputs and its attention's output on them from
+# the statistics pass when together they take at most this share of the work directory's free disk:
+# the convert pass then reads them instead of running the source stream a second time. Either way the
+# output is the same, bit for bit.
 KEEP_INPUTS_SHARE = 0.25
 
 
-def _kept_input(i: int) -> str:
-    return f"input-{i:05d}"
+def _kept(i: int, what: str) -> str:
+    """The store slot of layer I's kept source inputs (WHAT "input") or its attention's output on them ("target")."""
+    return f"{what}-{i:05d}"
 
 
 class LayerDriver:
@@ -167,16 +169,23 @@ class LayerDriver:
 
     @torch.no_grad()
     def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True,
-                    rows: int | None = None) -> LayerStats | None:
+                    rows: int | None = None, keep: int = 0) -> LayerStats | None:
         """LAYER (through RUN) over the first ROWS sequences (default: all) of the stream at slot
         BASE + i % 2, its output to the other slot when WRITE; with ACC, the statistics of the layer's
-        attention input."""
+        attention input; with KEEP, the layer's input and its attention's output for the first KEEP
+        sequences to layer I's kept slots (``_kept``)."""
         c = self.c
         slot = base + i % 2
         rows = self.n_calib if rows is None else rows
         handles = acc.attach() if acc is not None else []
+        seen = {}
+        if keep:
+            handles.append(layer.self_attn.register_forward_hook(
+                lambda attn, args, out: seen.update(attention=out[0] if isinstance(out, tuple) else out)))
         try:
-            with self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext() as sink:
+            with (self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext()) as sink, \
+                    (self.store.writer(_kept(i, "input")) if keep else contextlib.nullcontext()) as inputs, \
+                    (self.store.writer(_kept(i, "target")) if keep else contextlib.nullcontext()) as targets:
                 for s in range(0, rows, c.batch_size):
                     hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
@@ -184,6 +193,9 @@ class LayerDriver:
                     out = run(layer, hidden)
                     if sink is not None:
                         sink.write(out)
+                    if s < keep:
+                        inputs.write(hidden[: keep - s])
+                        targets.write(seen["attention"][: keep - s])
         finally:
             for handle in handles:
                 handle.remove()
@@ -193,14 +205,15 @@ class LayerDriver:
         return layer_accumulator(layer.self_attn, self.src_layers.inv_freq, self.c.shape)
 
     @torch.no_grad()
-    def _source_layer(self, i: int, tensors: dict, base: int = SOURCE, verify: bool = True) -> LayerStats | None:
+    def _source_layer(self, i: int, tensors: dict, base: int = SOURCE, verify: bool = True,
+                      keep: int = 0) -> LayerStats | None:
         """Source layer I over the calibration stream BASE (and the verification stream when VERIFY);
-        returns the statistics of its attention input."""
+        returns the statistics of its attention input. KEEP: see ``_run_stream``."""
         layer = self.src_layers.layer(i, tensors)
         stats = None
         if self.n_calib:
             stats = self._run_stream(i, base, self.src_layers.run, layer, self._accumulator(layer),
-                                     write=i < self.c.n - 1)
+                                     write=i < self.c.n - 1, keep=keep)
         if self.verify and verify:
             self.verify_src = self.src_layers.run(layer, self.verify_src)
         return stats
@@ -226,20 +239,19 @@ class LayerDriver:
         and for fisher the inputs of the sensitivity sequences."""
         c, st = self.c, self.state
         if "kept_inputs" not in st:
-            need = c.n * self.store.nbytes(self.stream_rows) if self.n_calib else 0
+            need = 2 * c.n * self.store.nbytes(self.stream_rows) if self.n_calib else 0
             st["kept_inputs"] = bool(self.refining and not self.sequential
                                      and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
         with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
             for i in range(st["stats_done"], c.n):
                 self.on_layer("statistics", i)
                 tensors = self._read_layer(i)
-                if st["kept_inputs"]:
-                    self.store.copy_rows(SOURCE + i % 2, self.stream_rows, _kept_input(i))
                 if c.n_sensitivity:
                     kept = self.store.read(i % 2, 0, c.n_sensitivity)
                     self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
                 # sequential: the verification stream advances with the convert pass instead
-                stats = self._source_layer(i, tensors, verify=not self.sequential)
+                stats = self._source_layer(i, tensors, verify=not self.sequential,
+                                           keep=self.stream_rows if st["kept_inputs"] else 0)
                 w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
                 with self._on_device():
                     metrics = layer_metrics(w, stats)
@@ -341,7 +353,8 @@ class LayerDriver:
                     st.setdefault("layer_seconds", []).append(round(time.time() - tick, 2))
                     self._commit(writer)
                     if st.get("kept_inputs"):
-                        self.store.remove(_kept_input(i))
+                        self.store.remove(_kept(i, "input"))
+                        self.store.remove(_kept(i, "target"))
                     log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
                     bar.update()
             for name in layout.entries[writer.cursor.tensor :]:
@@ -388,15 +401,20 @@ class LayerDriver:
         for name, t in block.self_attn.state_dict().items():
             out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
 
-    def _source_input(self, i: int, start: int, stop: int) -> torch.Tensor:
-        """Sequences START .. STOP - 1 of source layer I's input: kept by the statistics pass, or the stream."""
-        return self.store.read(_kept_input(i) if self.state.get("kept_inputs") else SOURCE + i % 2, start, stop)
+    def _source_input(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequences START .. STOP - 1 of source layer I's input and its attention's output, both kept by the
+        statistics pass; or the input from the source stream and None (the caller runs the source layer)."""
+        c = self.c
+        if self.state.get("kept_inputs"):
+            return (self.store.read(_kept(i, "input"), start, stop).to(c.device),
+                    self.store.read(_kept(i, "target"), start, stop).to(c.device))
+        return self.store.read(SOURCE + i % 2, start, stop).to(c.device), None
 
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
         output over the first sequences of the source stream, then ``refit_values``; when the refit was
         kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
-        In a two-pass plan the statistics pass kept layer I's inputs (``KEEP_INPUTS_SHARE``), or the source
+        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``), or the source
         stream is still at layer I's input and the source run that gives the targets carries it on to
         layer I + 1 (the one-pass plans advanced it already)."""
         c = self.c
@@ -407,11 +425,11 @@ class LayerDriver:
         advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
         with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
-                x = self._source_input(i, s, min(s + bs, n)).to(c.device)
+                x, target = self._source_input(i, s, min(s + bs, n))
                 if sink is not None:
                     target, following = attention_and_output(src_layer, self.src_layers.run, x)
                     sink.write(following)
-                else:
+                elif target is None:
                     target = attention_output(src_layer, self.src_layers.run, x)
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
@@ -428,10 +446,12 @@ class LayerDriver:
         n, bs = settings.used(self.n_calib), c.batch_size
         src_layer = self.src_layers.layer(i, tensors)
         with torch.no_grad():
-            targets = torch.cat([
-                attention_residual(src_layer, self.src_layers.run, self._source_input(i, s, min(s + bs, n)).to(c.device))
-                for s in range(0, n, bs)
-            ])
+            targets = []
+            for s in range(0, n, bs):
+                x, attention = self._source_input(i, s, min(s + bs, n))
+                targets.append(attention_residual(src_layer, self.src_layers.run, x) if attention is None
+                               else x + attention)
+            targets = torch.cat(targets)
         del src_layer
         inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
         block = self._float32_layer(i, tensors, mla, mla_layers)
