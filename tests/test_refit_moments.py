@@ -136,3 +136,25 @@ def test_fold_moments_equal_the_direct_products():
             assert torch.equal(zz, zz.T)
             assert torch.allclose(zz, zk.T @ zk, rtol=1e-12, atol=1e-10)
             assert torch.allclose(zr, zk.T @ rk) and rr == pytest.approx(float(rk.square().sum()))
+
+
+@pytest.mark.parametrize("best", [1e-8, 1e-2, 30.0])
+def test_ridge_walk_finds_the_minimum_of_a_unimodal_error_with_few_fits(best):
+    """The walk from the grid's middle reaches the minimum at either end or inside, fitting fewer ridges than
+    the grid holds when the minimum is near the middle; a start that beats every ridge gives None."""
+    import math
+
+    folds = [(None, None, 1.0), (None, None, 1.0)]
+    tried = []
+
+    def fit(f, ridge):
+        tried.append(ridge)
+        return ridge
+
+    def error(ridge, m):
+        return 1.0 if ridge == "start" else 0.5 + (math.log10(ridge) - math.log10(best)) ** 2
+
+    ridge, report = choose_ridge("start", folds, fit, VALUE_RIDGES, error)
+    assert ridge == best and report["ridge"] == best
+    assert report["ridges_tried"] == len(set(tried)) and (best != 1e-2 or report["ridges_tried"] <= 5)
+    assert choose_ridge("start", folds, fit, VALUE_RIDGES, lambda w, m: 0.1 if w == "start" else error(w, m))[0] is None
