@@ -89,7 +89,7 @@ def test_fit_equals_the_dense_fit(bias, ridge):
     w_uv, w_o = _start(bias)
     prior, rms = effective_map(w_uv, w_o), float(w_uv.square().mean().sqrt())
     want_uv, want_o = _dense_fit(moments, ridge, prior, bias, rms)
-    for roots in (None, head_roots(moments[0], H)):
+    for roots in (None, head_roots(moments[0], H, bias)):
         got_uv, got_o = fit_values(moments, ridge, prior, H, D_HEAD, bias, rms, roots)
         # singular vectors are unique up to sign: compare the products W_O W_UV, which are not
         assert torch.allclose(effective_map(got_uv, got_o), effective_map(want_uv, want_o), rtol=1e-7, atol=1e-8)

@@ -108,7 +108,7 @@ def refit_values(block: nn.Module, folds: list) -> dict:
     H, d = attn.num_heads, attn.v_head_dim
     bias, rms = attn.o_proj.bias is not None, float(w_uv.square().mean().sqrt())
     start_map = effective_map(w_uv, w_o)
-    roots = [head_roots(f[0], H) for f in folds]  # each fold's metric, shared by its ridges
+    roots = [head_roots(f[0], H, bias) for f in folds]  # each fold's metric, shared by its ridges
     ridge, validation = choose_ridge(
         (w_uv, w_o),
         folds,

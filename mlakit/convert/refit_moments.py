@@ -28,10 +28,10 @@ The fit, for a ridge lambda:
    Sigma_zz = B Sigma_aa B^T and Sigma_zy = B Sigma_ay, and o_proj is the ridge least-squares
    solve on them: it absorbs what step 2 lost across heads.
 
-The ridge is chosen from ``RIDGES`` on held-out sequences (fit on one fold, measure on the
-other, both ways), and ``choose_ridge`` reports None when no ridge beats the start held out: a
-calibration of few or similar sequences leaves directions of a it never excites, and an
-unregularised solve puts weight there that new text excites. The latent (and so the cache),
+The ridge is chosen from a grid on held-out sequences (fit on one fold, measure on the other,
+both ways; ``choose_ridge`` walks the grid to the minimum), which reports None when no ridge beats
+the start held out: a calibration of few or similar sequences leaves directions of a it never
+excites, and an unregularised solve puts weight there that new text excites. The latent (and so the cache),
 the scores and the queries never change: only W_UV (the value rows of kv_b_proj) and o_proj.
 """
 
@@ -199,10 +199,10 @@ def values_error(w_uv: torch.Tensor, w_o: torch.Tensor, moments: Moments) -> flo
     return quadratic_error(w_o.double(), *project_moments(w_uv, moments, w_o.shape[1] > w_uv.shape[0] * w_uv.shape[1]))
 
 
-def head_roots(aa: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
-    """S_h^{1/2} of every head's diagonal block S_h (r, r) of Sigma_aa (a's trailing 1, if any, is left out):
+def head_roots(aa: torch.Tensor, num_heads: int, bias: bool) -> list[torch.Tensor]:
+    """S_h^{1/2} of every head's diagonal block S_h (r, r) of Sigma_aa (H r rows, + 1 for a BIAS-augmented a):
     the metric step 2 of ``fit_values`` reads, the same for every ridge of a fold."""
-    r = aa.shape[0] // num_heads  # H r or H r + 1 rows: floor division drops the bias row
+    r = (aa.shape[0] - int(bias)) // num_heads
     roots = []
     for h in range(num_heads):
         evals, evecs = torch.linalg.eigh(aa[h * r : (h + 1) * r, h * r : (h + 1) * r])
@@ -241,7 +241,7 @@ def fit_values(
     ROOTS: ``head_roots`` of these moments, when the caller fits them for several ridges."""
     aa, ay, _ = moments
     r = (aa.shape[0] - int(bias)) // num_heads
-    roots = roots if roots is not None else head_roots(aa, num_heads)
+    roots = roots if roots is not None else head_roots(aa, num_heads, bias)
     m = ridge_solve(aa, ay, ridge, prior)  # (D, H r [+1])
     heads = [_head_values(m[:, h * r : (h + 1) * r], roots[h], head_dim, rms) for h in range(num_heads)]
     w_uv = torch.stack([w for w, _ in heads])

@@ -414,9 +414,9 @@ class LayerDriver:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
         output over the first sequences of the source stream, then ``refit_values``; when the refit was
         kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
-        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``), or the source
-        stream is still at layer I's input and the source run that gives the targets carries it on to
-        layer I + 1 (the one-pass plans advanced it already)."""
+        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``),
+        or the source stream is still at layer I's input and the source run that gives the targets
+        carries it on to layer I + 1 (the one-pass plans advanced it already)."""
         c = self.c
         n, bs = c.refine.used(self.n_calib), c.batch_size
         src_layer = self.src_layers.layer(i, tensors)
@@ -460,8 +460,8 @@ class LayerDriver:
                                                           disable=c.opts.quiet, file=sys.stderr))
         if report["kept"] in ("o_proj refit", "adam"):
             self._write_attention(i, block, out)
-        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge", "ridges_tried",
-                                       "cv_loss_start", "cv_loss_refit", "refit") if k in report}
+        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
+                                       "ridges_tried", "cv_loss_start", "cv_loss_refit", "refit") if k in report}
 
     @torch.no_grad()
     def _advance_source(self, i: int, tensors: dict) -> None:
