@@ -59,12 +59,10 @@ from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulat
 from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
-from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
-from ..convert.refine_values import add_batch, refit_values
-from ..convert.refit_moments import FoldMoments
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
 from .layer_runner import MLALayers, SourceLayers
+from .refine_steps import CONVERTED, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
 from .settings import ConversionError
 from .verify import layerwise_report, verify_token_ids
@@ -81,7 +79,6 @@ class Spilled(NamedTuple):
     prep: LayerPrep | None
 
 
-SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
 # A two-pass plan that refines keeps each layer's source inputs and its attention's output on them from
 # the statistics pass when together they take at most this share of the work directory's free disk:
 # the convert pass then reads them instead of running the source stream a second time. Either way the
@@ -89,12 +86,7 @@ SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream use
 KEEP_INPUTS_SHARE = 0.25
 
 
-def _kept(i: int, what: str) -> str:
-    """The store slot of layer I's kept source inputs (WHAT "input") or its attention's output on them ("target")."""
-    return f"{what}-{i:05d}"
-
-
-class LayerDriver:
+class LayerDriver(RefineSteps):
     """Runs the passes over the layers of SETUP, committing STATE to WORK after each layer.
 
     ON_LAYER(phase, index), if given, is called before layer INDEX of PHASE (``"statistics"`` or
@@ -173,7 +165,7 @@ class LayerDriver:
         """LAYER (through RUN) over the first ROWS sequences (default: all) of the stream at slot
         BASE + i % 2, its output to the other slot when WRITE; with ACC, the statistics of the layer's
         attention input; with KEEP, the layer's input and its attention's output for the first KEEP
-        sequences to layer I's kept slots (``_kept``)."""
+        sequences to layer I's kept slots (``kept_slot``)."""
         c = self.c
         slot = base + i % 2
         rows = self.n_calib if rows is None else rows
@@ -184,8 +176,8 @@ class LayerDriver:
                 lambda attn, args, out: seen.update(attention=out[0] if isinstance(out, tuple) else out)))
         try:
             with (self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext()) as sink, \
-                    (self.store.writer(_kept(i, "input")) if keep else contextlib.nullcontext()) as inputs, \
-                    (self.store.writer(_kept(i, "target")) if keep else contextlib.nullcontext()) as targets:
+                    (self.store.writer(kept_slot(i, "input")) if keep else contextlib.nullcontext()) as inputs, \
+                    (self.store.writer(kept_slot(i, "target")) if keep else contextlib.nullcontext()) as targets:
                 for s in range(0, rows, c.batch_size):
                     hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
@@ -353,8 +345,8 @@ class LayerDriver:
                     st.setdefault("layer_seconds", []).append(round(time.time() - tick, 2))
                     self._commit(writer)
                     if st.get("kept_inputs"):
-                        self.store.remove(_kept(i, "input"))
-                        self.store.remove(_kept(i, "target"))
+                        self.store.remove(kept_slot(i, "input"))
+                        self.store.remove(kept_slot(i, "target"))
                     log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
                     bar.update()
             for name in layout.entries[writer.cursor.tensor :]:
@@ -389,79 +381,6 @@ class LayerDriver:
         elif self.refining:
             record["refine"] = self._refine(i, tensors, mla, out, mla_layers)
         return out, record
-
-    def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
-        """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
-        c = self.c
-        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
-        return mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
-
-    def _write_attention(self, i: int, block, out: dict) -> None:
-        prefix = names.attn_prefix(i)
-        for name, t in block.self_attn.state_dict().items():
-            out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
-
-    def _source_input(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sequences START .. STOP - 1 of source layer I's input and its attention's output, both kept by the
-        statistics pass; or the input from the source stream and None (the caller runs the source layer)."""
-        c = self.c
-        if self.state.get("kept_inputs"):
-            return (self.store.read(_kept(i, "input"), start, stop).to(c.device),
-                    self.store.read(_kept(i, "target"), start, stop).to(c.device))
-        return self.store.read(SOURCE + i % 2, start, stop).to(c.device), None
-
-    def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
-        """``--refine values`` on converted layer I: moments of its latents and of the source attention's
-        output over the first sequences of the source stream, then ``refit_values``; when the refit was
-        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
-        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``),
-        or the source stream is still at layer I's input and the source run that gives the targets
-        carries it on to layer I + 1 (the one-pass plans advanced it already)."""
-        c = self.c
-        n, bs = c.refine.used(self.n_calib), c.batch_size
-        src_layer = self.src_layers.layer(i, tensors)
-        block = self._float32_layer(i, tensors, mla, mla_layers)
-        moments = FoldMoments()
-        advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
-        with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
-            for s in range(0, n, bs):
-                x, target = self._source_input(i, s, min(s + bs, n))
-                if sink is not None:
-                    target, following = attention_and_output(src_layer, self.src_layers.run, x)
-                    sink.write(following)
-                elif target is None:
-                    target = attention_output(src_layer, self.src_layers.run, x)
-                add_batch(moments, block, mla_layers.run, x, target, s)
-        del src_layer
-        report = refit_values(block, moments.result())
-        if report["kept"] == "values refit":
-            self._write_attention(i, block, out)
-        return {"method": "values", "sequences": n} | report
-
-    def _refine(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
-        """Refine converted layer I (float32, from MLA) on the first sequences of the converted stream
-        toward the source layer's attention output on the source stream; when the refinement kept new
-        weights, they replace the attention tensors in OUT (output dtype). Returns the report entry."""
-        c, settings = self.c, self.c.refine
-        n, bs = settings.used(self.n_calib), c.batch_size
-        src_layer = self.src_layers.layer(i, tensors)
-        with torch.no_grad():
-            targets = []
-            for s in range(0, n, bs):
-                x, attention = self._source_input(i, s, min(s + bs, n))
-                targets.append(attention_residual(src_layer, self.src_layers.run, x) if attention is None
-                               else x + attention)
-            targets = torch.cat(targets)
-        del src_layer
-        inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
-        block = self._float32_layer(i, tensors, mla, mla_layers)
-        report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
-                              progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
-                                                          disable=c.opts.quiet, file=sys.stderr))
-        if report["kept"] in ("o_proj refit", "adam"):
-            self._write_attention(i, block, out)
-        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
-                                       "ridges_tried", "cv_loss_start", "cv_loss_refit", "refit") if k in report}
 
     @torch.no_grad()
     def _advance_source(self, i: int, tensors: dict) -> None:

@@ -1,0 +1,111 @@
+"""The refinement steps of the layer driver (``driver.LayerDriver`` inherits them).
+
+After the closed form has built converted layer i, ``--refine values`` refits its value maps and
+o_proj from moments over the source stream (``_refit_values``) and ``--refine layer`` refits and
+optionally trains it on the converted stream toward the source's targets (``_refine``). Both read
+the source layer's inputs, and the source attention's output on them, either from what the
+statistics pass of a two-pass plan kept on disk (``kept_slot`` slots) or from the source stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from tqdm.auto import tqdm
+
+from ..arch import names
+from ..convert.assemble import mla_layer_tensors
+from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
+from ..convert.refine_values import add_batch, refit_values
+from ..convert.refit_moments import FoldMoments
+from .layer_runner import MLALayers
+
+__all__ = ["CONVERTED", "SOURCE", "RefineSteps", "kept_slot"]
+
+SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
+
+
+def kept_slot(i: int, what: str) -> str:
+    """The store slot of layer I's kept source inputs (WHAT "input") or its attention's output on them ("target")."""
+    return f"{what}-{i:05d}"
+
+
+class RefineSteps:
+    """The per-layer refinement of ``LayerDriver`` (its setup ``c``, ``store``, ``state``, ``src_layers``,
+    ``per_layer`` and ``n_calib``)."""
+
+    def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
+        """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
+        c = self.c
+        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
+        return mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
+
+    def _write_attention(self, i: int, block, out: dict) -> None:
+        prefix = names.attn_prefix(i)
+        for name, t in block.self_attn.state_dict().items():
+            out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
+
+    def _source_input(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequences START .. STOP - 1 of source layer I's input and its attention's output, both kept by the
+        statistics pass; or the input from the source stream and None (the caller runs the source layer)."""
+        c = self.c
+        if self.state.get("kept_inputs"):
+            return (self.store.read(kept_slot(i, "input"), start, stop).to(c.device),
+                    self.store.read(kept_slot(i, "target"), start, stop).to(c.device))
+        return self.store.read(SOURCE + i % 2, start, stop).to(c.device), None
+
+    def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
+        """``--refine values`` on converted layer I: moments of its latents and of the source attention's
+        output over the first sequences of the source stream, then ``refit_values``; when the refit was
+        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
+        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``),
+        or the source stream is still at layer I's input and the source run that gives the targets
+        carries it on to layer I + 1 (the one-pass plans advanced it already)."""
+        c = self.c
+        n, bs = c.refine.used(self.n_calib), c.batch_size
+        src_layer = self.src_layers.layer(i, tensors)
+        block = self._float32_layer(i, tensors, mla, mla_layers)
+        moments = FoldMoments()
+        advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
+        with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
+            for s in range(0, n, bs):
+                x, target = self._source_input(i, s, min(s + bs, n))
+                if sink is not None:
+                    target, following = attention_and_output(src_layer, self.src_layers.run, x)
+                    sink.write(following)
+                elif target is None:
+                    target = attention_output(src_layer, self.src_layers.run, x)
+                add_batch(moments, block, mla_layers.run, x, target, s)
+        del src_layer
+        report = refit_values(block, moments.result())
+        if report["kept"] == "values refit":
+            self._write_attention(i, block, out)
+        return {"method": "values", "sequences": n} | report
+
+    def _refine(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
+        """Refine converted layer I (float32, from MLA) on the first sequences of the converted stream
+        toward the source layer's attention output on the source stream; when the refinement kept new
+        weights, they replace the attention tensors in OUT (output dtype). Returns the report entry."""
+        c, settings = self.c, self.c.refine
+        n, bs = settings.used(self.n_calib), c.batch_size
+        src_layer = self.src_layers.layer(i, tensors)
+        with torch.no_grad():
+            targets = []
+            for s in range(0, n, bs):
+                x, attention = self._source_input(i, s, min(s + bs, n))
+                targets.append(attention_residual(src_layer, self.src_layers.run, x) if attention is None
+                               else x + attention)
+            targets = torch.cat(targets)
+        del src_layer
+        inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
+        block = self._float32_layer(i, tensors, mla, mla_layers)
+        report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
+                              progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
+                                                          disable=c.opts.quiet, file=sys.stderr))
+        if report["kept"] in ("o_proj refit", "adam"):
+            self._write_attention(i, block, out)
+        return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
+                                       "ridges_tried", "cv_loss_start", "cv_loss_refit", "refit") if k in report}
+
