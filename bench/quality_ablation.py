@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--budgets", default="0.5,0.3125,0.1875")
     ap.add_argument("--rows", default="all", help="comma-separated row numbers (1-based) or 'all'")
     ap.add_argument("--calib-samples", type=int, default=None, help="default: the options model's")
+    ap.add_argument("--calib-seq-len", type=int, default=None, help="default: the options model's")
     ap.add_argument("--eval-tokens", type=int, default=4096, help="tokens of each text scored")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
@@ -114,7 +115,7 @@ def main():
     for budget in [float(b) for b in args.budgets.split(",")]:
         for name in order:
             overrides, sequential = ROWS[name]
-            extra = {"calib_samples": args.calib_samples} if args.calib_samples else {}
+            extra = {k: v for k, v in (("calib_samples", args.calib_samples), ("calib_seq_len", args.calib_seq_len)) if v}
             opts = ConvertOptions(kv_budget=budget, quiet=True, **overrides, **extra)
             tick = time.time()
             with tempfile.TemporaryDirectory() as tmp:
@@ -141,7 +142,7 @@ def main():
     meta = {"source": args.source, "source_ppl": src_ppl, "eval_tokens": {k: int(t.ids.numel()) for k, t in texts.items()},
             "seq_len": args.seq_len, "stride": args.stride, "bootstrap": args.bootstrap,
             "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
-            "calib_seq_len": ConvertOptions().calib_seq_len, "seconds": round(time.time() - t0)}
+            "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "seconds": round(time.time() - t0)}
     (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / "ablation.md").write_text(render(meta, results, names))
     print(render(meta, results, names))

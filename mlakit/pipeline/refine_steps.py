@@ -33,8 +33,8 @@ def kept_slot(i: int, what: str) -> str:
 
 
 class RefineSteps:
-    """The per-layer refinement of ``LayerDriver`` (its setup ``c``, ``store``, ``state``, ``src_layers``,
-    ``per_layer`` and ``n_calib``)."""
+    """The per-layer refinement of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``, ``state``,
+    ``src_layers``, ``per_layer``, ``n_calib`` and ``sequential``)."""
 
     def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
         """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
