@@ -140,21 +140,28 @@ def run_to_attention(block: nn.Module, run: Callable, hidden: torch.Tensor, grab
     return seen["value"]
 
 
+def _attention_value(out):
+    """The output tensor of a self-attention call (modules return (output, ...) or the output)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def keep_attention_output(block: nn.Module, seen: dict):
+    """A forward hook on BLOCK's attention that keeps the output of its latest call in SEEN["attention"];
+    returns the hook's handle (the caller removes it)."""
+    return block.self_attn.register_forward_hook(lambda attn, args, out: seen.update(attention=_attention_value(out)))
+
+
 def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
     """What BLOCK's attention adds to the residual stream, self_attn(norm(hidden)), through
     RUN(block, hidden). Works for the source's decoder layers and the converted ones alike (both
     return (output, ...) from ``self_attn`` and add it to their input)."""
-    return run_to_attention(block, run, hidden, lambda attn, args, out: out[0] if isinstance(out, tuple) else out)
+    return run_to_attention(block, run, hidden, lambda attn, args, out: _attention_value(out))
 
 
 def attention_and_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """BLOCK's attention output (as ``attention_output``) and the block's whole output, from one run."""
     seen = {}
-
-    def hook(attn, args, out):
-        seen["attention"] = out[0] if isinstance(out, tuple) else out
-
-    handle = block.self_attn.register_forward_hook(hook)
+    handle = keep_attention_output(block, seen)
     try:
         out = run(block, hidden)
     finally:

@@ -33,6 +33,8 @@ from .refit_moments import (
     effective_map,
     fit_values,
     head_roots,
+    loss_of,
+    project_moments,
     sum_folds,
     values_error,
 )
@@ -94,7 +96,8 @@ def refit_values(block: nn.Module, folds: list) -> dict:
     attn = block.self_attn
     w_uv, w_o = _weights(attn)
     moments = sum_folds(folds)
-    loss = lambda uv, o: values_error(uv, o, moments) / moments[2] if moments[2] > 0 else 0.0  # noqa: E731
+    bias = attn.o_proj.bias is not None
+    loss = lambda uv, o: loss_of(o.double(), *project_moments(uv, moments, bias))  # noqa: E731
     before = loss(w_uv, w_o)
     report = {"loss_before": before}
 
@@ -106,7 +109,7 @@ def refit_values(block: nn.Module, folds: list) -> dict:
     if any(f[2] == 0 for f in folds):
         return done("start", before, refit="skipped: two-fold validation needs at least 2 sequences")
     H, d = attn.num_heads, attn.v_head_dim
-    bias, rms = attn.o_proj.bias is not None, float(w_uv.square().mean().sqrt())
+    rms = float(w_uv.square().mean().sqrt())
     start_map = effective_map(w_uv, w_o)
     roots = [head_roots(f[0], H, bias) for f in folds]  # each fold's metric, shared by its ridges
     ridge, validation = choose_ridge(

@@ -6,8 +6,8 @@ states after the last finished layer (two raw float32 files used in turn, so the
 running layer is never overwritten), the verification streams, and, for planned allocation,
 each layer's spilled statistics (and, when a refinement follows, each layer's source inputs and
 attention outputs, removed as the convert pass finishes the layer). Every file a commit points
-to is complete before ``state.json`` is replaced (write to a temporary name, fsync, rename). The finished checkpoint
-is renamed to OUT; the resume-only files are removed first.
+to is complete before ``state.json`` is replaced (write to a temporary name, fsync, rename). The
+finished checkpoint is renamed to OUT; the resume-only files are removed first.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class WorkDir:
 
 
 class HiddenStore:
-    """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn, and
-    the kept inputs of single layers), read and written by row ranges with plain file IO (no memory map, so they never count toward RSS)."""
+    """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn,
+    and the kept inputs and targets of single layers), read and written by row ranges with plain file
+    IO (no memory map, so they never count toward RSS)."""
 
     def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int):
         self.directory = Path(directory)

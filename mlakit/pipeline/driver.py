@@ -59,6 +59,7 @@ from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulat
 from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
+from ..convert.refine import keep_attention_output
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
 from .layer_runner import MLALayers, SourceLayers
@@ -172,8 +173,7 @@ class LayerDriver(RefineSteps):
         handles = acc.attach() if acc is not None else []
         seen = {}
         if keep:
-            handles.append(layer.self_attn.register_forward_hook(
-                lambda attn, args, out: seen.update(attention=out[0] if isinstance(out, tuple) else out)))
+            handles.append(keep_attention_output(layer, seen))
         try:
             with (self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext()) as sink, \
                     (self.store.writer(kept_slot(i, "input")) if keep else contextlib.nullcontext()) as inputs, \

@@ -65,7 +65,7 @@ class RefineSteps:
         carries it on to layer I + 1 (the one-pass plans advanced it already)."""
         c = self.c
         n, bs = c.refine.used(self.n_calib), c.batch_size
-        src_layer = self.src_layers.layer(i, tensors)
+        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = FoldMoments()
         advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
@@ -90,7 +90,7 @@ class RefineSteps:
         weights, they replace the attention tensors in OUT (output dtype). Returns the report entry."""
         c, settings = self.c, self.c.refine
         n, bs = settings.used(self.n_calib), c.batch_size
-        src_layer = self.src_layers.layer(i, tensors)
+        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
         with torch.no_grad():
             targets = []
             for s in range(0, n, bs):
