@@ -13,8 +13,7 @@ import yaml
 
 from mlakit.arch import names
 from mlakit.convert.refine import RefineSettings, attention_output
-from mlakit.convert.refine_values import add_batch, latent_inputs, refit_values
-from mlakit.convert.refit_moments import FoldMoments
+from mlakit.convert.refine_values import ValueMoments, add_batch, latent_inputs, refit_values
 from mlakit.io.work_dir import work_dir_for
 from mlakit.pipeline import driver
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
@@ -42,10 +41,10 @@ def _case(tiny_sources, family, rope_dim, rank):
 
 
 def _refit(block, run, x, y, batch: int = 5):
-    moments = FoldMoments()
+    moments = ValueMoments()
     for s in range(0, x.shape[0], batch):
         add_batch(moments, block, run, x[s : s + batch], y[s : s + batch], s)
-    return refit_values(block, moments.result())
+    return refit_values(block, moments)
 
 
 def test_latents_reproduce_the_attention_output(tiny_sources):

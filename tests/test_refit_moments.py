@@ -138,6 +138,20 @@ def test_fold_moments_equal_the_direct_products():
             assert torch.allclose(zr, zk.T @ rk) and rr == pytest.approx(float(rk.square().sum()))
 
 
+def test_float32_products_are_summed_in_float64_and_agree_with_float64_moments():
+    """The value refit's float32 products (``ValueMoments``) give float64 moments within float32 rounding."""
+    z = torch.randn(6, 64, 300, dtype=torch.float64)
+    r = torch.randn(6, 64, 20, dtype=torch.float64)
+    exact, fast = FoldMoments(), FoldMoments(torch.float32)
+    for m in (exact, fast):
+        m.add(z[:3], r[:3], 0)
+        m.add(z[3:], r[3:], 3)
+    for (zz, zr, rr), (zz32, zr32, rr32) in zip(exact.result(), fast.result()):
+        assert zz32.dtype == zr32.dtype == torch.float64 and not torch.equal(zz32, zz)
+        assert torch.allclose(zz32, zz, rtol=1e-5, atol=1e-4) and torch.allclose(zr32, zr, rtol=1e-5, atol=1e-4)
+        assert rr32 == pytest.approx(rr, rel=1e-6)
+
+
 @pytest.mark.parametrize("best", [1e-8, 1e-2, 30.0])
 def test_ridge_walk_finds_the_minimum_of_a_unimodal_error_with_few_fits(best):
     """The walk from the grid's middle reaches the minimum at either end or inside, fitting fewer ridges than

@@ -9,7 +9,7 @@ update the attention should add; fit W in r ~ W z.
 **Joint value / o_proj refit** (``--refine values``, ``refit_values``). Per head h the converted
 attention outputs o_h = W_UV_h a_h, where a_h = sum_s p_{h,t,s} c_kv,s (r dims) is the
 attention-weighted latent under the converted layer's own scores and latent
-(``MLAAttention.latent_attention``); the layer adds y_hat = sum_h W_O_h W_UV_h a_h (+ b). With
+(``refine_values.latent_attention``); the layer adds y_hat = sum_h W_O_h W_UV_h a_h (+ b). With
 a = [a_1; ...; a_H] (and a trailing 1 when o_proj has a bias) and M = [W_O_1 W_UV_1 | ... | b],
 y_hat = M a, and for a target y (the source layer's attention output)
 
@@ -68,20 +68,22 @@ Moments = tuple  # (Sigma_zz (p, p), Sigma_zr (p, D), sum ||r||^2): float64, one
 
 class FoldMoments:
     """sum z z^T, sum z r^T and sum ||r||^2 (float64) over rows z, r, in two folds: sequence k
-    of the calibration set belongs to fold k % 2."""
+    of the calibration set belongs to fold k % 2. Each batch's products are taken in PRODUCT_DTYPE
+    and summed in float64 (float32 products take half the time of float64 ones)."""
 
-    def __init__(self):
+    def __init__(self, product_dtype: torch.dtype = torch.float64):
         self.folds = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+        self.product_dtype = product_dtype
 
     def add(self, z: torch.Tensor, r: torch.Tensor, first: int) -> None:
         """Z (B, T, p) and R (B, T, D) of sequences FIRST .. FIRST + B - 1."""
-        z, r = z.double(), r.double()
+        z, r = z.to(self.product_dtype), r.to(self.product_dtype)
         for k, fold in enumerate(self.folds):  # sequence first + j belongs to fold (first + j) % 2
             zk = z[(first + k) % 2 :: 2].reshape(-1, z.shape[-1])
             rk = r[(first + k) % 2 :: 2].reshape(-1, r.shape[-1])
-            fold[0] = fold[0] + _upper_gram(zk)
-            fold[1] = fold[1] + zk.T @ rk
-            fold[2] += float(rk.square().sum())
+            fold[0] = fold[0] + _upper_gram(zk).double()
+            fold[1] = fold[1] + (zk.T @ rk).double()
+            fold[2] += float(rk.double().square().sum())
 
     def result(self) -> list[Moments]:
         return [(_mirror(f[0]), f[1], f[2]) for f in self.folds]

@@ -88,21 +88,6 @@ class MLAAttention(nn.Module):
         cos, sin = cos.index_select(-1, cols), sin.index_select(-1, cols)  # (B, S, d_R)
         return q_nope, self._rotate(q_rope, cos[:, None], sin[:, None]), c_kv, self._rotate(k_rope, cos, sin)
 
-    def latent_attention(self, hidden_states, position_embeddings, attention_mask=None):
-        """The attention-weighted latent of every head, a_{h,t} = sum_s p_{h,t,s} c_kv,s, (B, S, H, r):
-        what each head's value map W_UV_h turns into its output (o_h = W_UV_h a_h), with this layer's
-        own scores. No cache; the conversion's value refit (mlakit.convert.refit_moments) reads it."""
-        q_nope, q_rope, c_kv, k_rope = self._project(hidden_states, position_embeddings)
-        B, H, S, _ = q_nope.shape
-        T = c_kv.shape[1]
-        kv = self.kv_b_proj(c_kv).view(B, T, H, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
-        k = torch.cat([kv[..., : self.qk_nope_head_dim], k_rope[:, None].expand(B, H, T, self.qk_rope_head_dim)], -1)
-        q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, d + d_R)
-        bias = None if attention_mask is None else attention_mask.additive(q.dtype)
-        latent = c_kv[:, None].expand(B, H, T, self.kv_lora_rank)  # (B, H, T, r): the latent as every head's value
-        out = F.scaled_dot_product_attention(q, k, latent, attn_mask=bias, is_causal=False, scale=self.scaling)
-        return out.transpose(1, 2)  # (B, S, H, r)
-
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
         B, S, _ = hidden_states.shape
         q_nope, q_rope, c_kv, k_rope = self._project(hidden_states, position_embeddings)

@@ -120,8 +120,13 @@ class LayerDriver(RefineSteps):
     # -- state ------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        """Embed the calibration and verification tokens: layer 0's inputs."""
+        """Embed the calibration and verification tokens: layer 0's inputs. Decide whether the statistics
+        pass keeps the source inputs and targets (``kept_inputs``): a two-pass plan that refines, not
+        sequential, with both fitting in ``KEEP_INPUTS_SHARE`` of the free disk."""
         c = self.c
+        need = c.n * (self.store.nbytes(self.n_calib) + self.store.nbytes(self.stream_rows)) if self.n_calib else 0
+        self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential
+                                         and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
         self._embed((SOURCE,))
         self.verify_src = self.verify_mla = None
         if self.verify:
@@ -139,7 +144,7 @@ class LayerDriver(RefineSteps):
         c = self.c
         emb = c.source.tensor(names.EMBED)
         for base in streams:
-            with self.store.writer(base) as sink:
+            with self.store.writer(self._input_slot(0, base)) as sink:
                 for s in range(0, self.n_calib, c.batch_size):
                     sink.write(torch.nn.functional.embedding(c.calib_ids[s : s + c.batch_size], emb).float())
 
@@ -150,6 +155,14 @@ class LayerDriver(RefineSteps):
         if self.verify:
             self.work.save_tensors("verify.pt", {"source": self.verify_src.cpu(), "mla": self.verify_mla.cpu()})
         self.work.commit(self.state)
+
+    def _input_slot(self, i: int, base: int) -> int | str:
+        """The store slot of layer I's input on the stream at BASE: the stream's two slots in turn, or
+        when the source inputs are kept, the source stream's own per-layer files (``kept_slot``), which
+        the statistics pass writes as it goes and the convert pass reads back."""
+        if base == SOURCE and self.state.get("kept_inputs"):
+            return kept_slot(i, "input")
+        return base + i % 2
 
     def _read_layer(self, i: int) -> dict[str, torch.Tensor]:
         return {name: self.c.source.tensor(name) for name in self.c.layer_names[i]}
@@ -163,20 +176,19 @@ class LayerDriver(RefineSteps):
     @torch.no_grad()
     def _run_stream(self, i: int, base: int, run, layer, acc=None, write: bool = True,
                     rows: int | None = None, keep: int = 0) -> LayerStats | None:
-        """LAYER (through RUN) over the first ROWS sequences (default: all) of the stream at slot
-        BASE + i % 2, its output to the other slot when WRITE; with ACC, the statistics of the layer's
-        attention input; with KEEP, the layer's input and its attention's output for the first KEEP
-        sequences to layer I's kept slots (``kept_slot``)."""
+        """LAYER (through RUN) over the first ROWS sequences (default: all) of layer I's input on the stream
+        at BASE (``_input_slot``), its output to layer I + 1's input slot when WRITE; with ACC, the
+        statistics of the layer's attention input; with KEEP, its attention's output for the first KEEP
+        sequences to layer I's kept target slot (``kept_slot``)."""
         c = self.c
-        slot = base + i % 2
+        slot = self._input_slot(i, base)
         rows = self.n_calib if rows is None else rows
         handles = acc.attach() if acc is not None else []
         seen = {}
         if keep:
             handles.append(keep_attention_output(layer, seen))
         try:
-            with (self.store.writer(base + 1 - i % 2) if write else contextlib.nullcontext()) as sink, \
-                    (self.store.writer(kept_slot(i, "input")) if keep else contextlib.nullcontext()) as inputs, \
+            with (self.store.writer(self._input_slot(i + 1, base)) if write else contextlib.nullcontext()) as sink, \
                     (self.store.writer(kept_slot(i, "target")) if keep else contextlib.nullcontext()) as targets:
                 for s in range(0, rows, c.batch_size):
                     hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
@@ -186,7 +198,6 @@ class LayerDriver(RefineSteps):
                     if sink is not None:
                         sink.write(out)
                     if s < keep:
-                        inputs.write(hidden[: keep - s])
                         targets.write(seen["attention"][: keep - s])
         finally:
             for handle in handles:
@@ -230,16 +241,12 @@ class LayerDriver(RefineSteps):
         """Planned and fisher allocation, pass 1: every layer's statistics and error curve (spilled),
         and for fisher the inputs of the sensitivity sequences."""
         c, st = self.c, self.state
-        if "kept_inputs" not in st:
-            need = 2 * c.n * self.store.nbytes(self.stream_rows) if self.n_calib else 0
-            st["kept_inputs"] = bool(self.refining and not self.sequential
-                                     and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
         with self._progress("layer statistics", st.setdefault("stats_done", 0)) as bar:
             for i in range(st["stats_done"], c.n):
                 self.on_layer("statistics", i)
                 tensors = self._read_layer(i)
                 if c.n_sensitivity:
-                    kept = self.store.read(i % 2, 0, c.n_sensitivity)
+                    kept = self.store.read(self._input_slot(i, SOURCE), 0, c.n_sensitivity)
                     self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
                 # sequential: the verification stream advances with the convert pass instead
                 stats = self._source_layer(i, tensors, verify=not self.sequential,

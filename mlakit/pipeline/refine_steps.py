@@ -18,8 +18,7 @@ from tqdm.auto import tqdm
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors
 from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
-from ..convert.refine_values import add_batch, refit_values
-from ..convert.refit_moments import FoldMoments
+from ..convert.refine_values import ValueMoments, add_batch, refit_values
 from .layer_runner import MLALayers
 
 __all__ = ["CONVERTED", "SOURCE", "RefineSteps", "kept_slot"]
@@ -51,10 +50,10 @@ class RefineSteps:
         """Sequences START .. STOP - 1 of source layer I's input and its attention's output, both kept by the
         statistics pass; or the input from the source stream and None (the caller runs the source layer)."""
         c = self.c
+        x = self.store.read(self._input_slot(i, SOURCE), start, stop).to(c.device)
         if self.state.get("kept_inputs"):
-            return (self.store.read(kept_slot(i, "input"), start, stop).to(c.device),
-                    self.store.read(kept_slot(i, "target"), start, stop).to(c.device))
-        return self.store.read(SOURCE + i % 2, start, stop).to(c.device), None
+            return x, self.store.read(kept_slot(i, "target"), start, stop).to(c.device)
+        return x, None
 
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
@@ -67,9 +66,9 @@ class RefineSteps:
         n, bs = c.refine.used(self.n_calib), c.batch_size
         src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
-        moments = FoldMoments()
+        moments = ValueMoments()
         advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
-        with torch.no_grad(), self.store.writer(SOURCE + 1 - i % 2) if advance else contextlib.nullcontext() as sink:
+        with torch.no_grad(), self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
                 x, target = self._source_input(i, s, min(s + bs, n))
                 if sink is not None:
@@ -79,7 +78,7 @@ class RefineSteps:
                     target = attention_output(src_layer, self.src_layers.run, x)
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
-        report = refit_values(block, moments.result())
+        report = refit_values(block, moments)
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "sequences": n} | report
