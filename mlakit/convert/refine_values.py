@@ -121,24 +121,23 @@ def _assign(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
 
 
 def refit_values(block: nn.Module, moments: ValueMoments) -> dict:
-    """Refit BLOCK's W_UV and o_proj in place from MOMENTS (``add_batch``); returns the report: loss_before, loss_after (relative to the target's energy), kept, and the
-    ridge validation (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped."""
+    """Refit BLOCK's W_UV and o_proj in place from MOMENTS (``add_batch``); returns the report:
+    loss_before, loss_after (relative to the target's energy), kept, and the ridge validation
+    (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped."""
     start = time.time()
     attn = block.self_attn
     w_uv, w_o = _weights(attn)
-    folds = moments.result()
-    start_loss = moments.start_loss
-    exact = start_loss is not None and start_loss <= EXACT_LOSS
-    moments = sum_folds(folds)
+    folds, start_loss = moments.result(), moments.start_loss
+    total = sum_folds(folds)
     bias = attn.o_proj.bias is not None
-    loss = lambda uv, o: loss_of(o.double(), *project_moments(uv, moments, bias))  # noqa: E731
+    loss = lambda uv, o: loss_of(o.double(), *project_moments(uv, total, bias))  # noqa: E731
     before = loss(w_uv, w_o)
     report = {"loss_before": before}
 
     def done(kept: str, after: float, **more) -> dict:
         return report | more | {"loss_after": after, "kept": kept, "seconds": round(time.time() - start, 3)}
 
-    if exact:
+    if start_loss is not None and start_loss <= EXACT_LOSS:
         report["loss_before"] = start_loss  # measured directly; the moments' rounding is larger
         return done("start (already exact)", start_loss)
     if any(f[2] == 0 for f in folds):
@@ -157,7 +156,7 @@ def refit_values(block: nn.Module, moments: ValueMoments) -> dict:
     report |= validation
     if ridge is None:
         return done("start", before, refit="skipped: no ridge beat the closed form on held-out sequences")
-    new_uv, new_o = fit_values(moments, ridge, start_map, H, d, bias, rms)
+    new_uv, new_o = fit_values(total, ridge, start_map, H, d, bias, rms)
     if loss(new_uv, new_o) >= before:
         return done("start", before, refit="skipped: no lower calibration loss than the closed form")
     _assign(attn, new_uv, new_o)

@@ -68,7 +68,7 @@ class WorkDir:
 
 class HiddenStore:
     """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn,
-    and the kept inputs and targets of single layers), read and written by row ranges with plain file
+    or one per layer where the source stream's inputs are kept, and the kept targets), read and written by row ranges with plain file
     IO (no memory map, so they never count toward RSS)."""
 
     def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int):
