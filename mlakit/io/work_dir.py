@@ -4,8 +4,9 @@
 (settings fingerprint, finished layers, the shard writer's cursor), the calibration hidden
 states after the last finished layer (two raw float32 files used in turn, so the input of the
 running layer is never overwritten), the verification streams, and, for planned allocation,
-each layer's spilled statistics (and, when a refinement follows, each layer's source inputs and
-attention outputs, removed as the convert pass finishes the layer). Every file a commit points
+each layer's spilled statistics (and, when a refinement follows, the source stream as one file
+per layer instead of the two in turn, and each layer's attention outputs, removed as the convert
+pass finishes the layer). Every file a commit points
 to is complete before ``state.json`` is replaced (write to a temporary name, fsync, rename). The
 finished checkpoint is renamed to OUT; the resume-only files are removed first.
 """
@@ -68,8 +69,8 @@ class WorkDir:
 
 class HiddenStore:
     """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn,
-    or one per layer where the source stream's inputs are kept, and the kept targets), read and written by row ranges with plain file
-    IO (no memory map, so they never count toward RSS)."""
+    or one per layer where the source stream's inputs are kept, and the kept targets), read and
+    written by row ranges with plain file IO (no memory map, so they never count toward RSS)."""
 
     def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int):
         self.directory = Path(directory)

@@ -369,7 +369,7 @@ class LayerDriver(RefineSteps):
         (output dtype, full checkpoint names, the copied norms and MLP included) at kv_lora_rank
         RANK, and its report record. The layer's rope frequencies go into MLA_LAYERS' config, so
         ``mla_layers.layer(i, out)`` builds it. The calibration stream this layer read is at
-        ``self.store`` slot ``i % 2`` of SOURCE (or of CONVERTED when sequential)."""
+        ``self._input_slot(i, SOURCE)`` (or CONVERTED when sequential)."""
         c = self.c
         spilled = stats if isinstance(stats, Spilled) else Spilled(None, None)  # on c.device already
         w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape),

@@ -23,7 +23,9 @@ from .layer_runner import MLALayers
 
 __all__ = ["CONVERTED", "SOURCE", "RefineSteps", "kept_slot"]
 
-SOURCE, CONVERTED = 0, 2  # first hidden-state slot of each stream (a stream uses its slot and the next in turn)
+# first hidden-state slot of each stream (a stream uses its slot and the next in turn, unless the source
+# stream's inputs are kept: ``LayerDriver._input_slot``)
+SOURCE, CONVERTED = 0, 2
 
 
 def kept_slot(i: int, what: str) -> str:
@@ -33,7 +35,7 @@ def kept_slot(i: int, what: str) -> str:
 
 class RefineSteps:
     """The per-layer refinement of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``, ``state``,
-    ``src_layers``, ``per_layer``, ``n_calib`` and ``sequential``)."""
+    ``src_layers``, ``per_layer``, ``n_calib`` and ``sequential``, and its ``_input_slot``)."""
 
     def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
         """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
@@ -98,7 +100,7 @@ class RefineSteps:
                                else x + attention)
             targets = torch.cat(targets)
         del src_layer
-        inputs = self.store.read(CONVERTED + i % 2, 0, n).to(c.device)
+        inputs = self.store.read(self._input_slot(i, CONVERTED), 0, n).to(c.device)
         block = self._float32_layer(i, tensors, mla, mla_layers)
         report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
                               progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
