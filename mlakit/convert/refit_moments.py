@@ -212,13 +212,26 @@ def head_roots(aa: torch.Tensor, num_heads: int, bias: bool) -> list[torch.Tenso
     return roots
 
 
+def _leading_left_vectors(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The leading min(k, columns) left singular vectors of X (D, r), D >= r: from the eigenvectors of the
+    small Gram X^T X (r, r), a fraction of an SVD's time, when k < r and the k-th singular value is
+    well above rounding; otherwise (the span needs every column, or one is near zero) by SVD."""
+    r = x.shape[1]
+    if k < r <= x.shape[0]:
+        evals, evecs = torch.linalg.eigh(x.T @ x)  # ascending
+        top, vecs = evals.flip(0)[:k], evecs.flip(1)[:, :k]
+        if float(top[-1]) > 1e-8 * float(top[0]):  # u^T u = I to about 1e-16 / 1e-8
+            return (x @ vecs) / top.sqrt()
+    return torch.linalg.svd(x, full_matrices=False)[0][:, :k]
+
+
 def _head_values(
     m: torch.Tensor, root: torch.Tensor, d: int, rms: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 2 for one head: W_UV_h (d, r) spanning the best rank-d part of M_h (D, r) in the metric
     of the head's latent (ROOT = S_h^{1/2}, ``head_roots``), scaled to RMS; and the W_O_h (D, d) with
     W_O_h W_UV_h that part."""
-    u = torch.linalg.svd(m @ root, full_matrices=False)[0][:, :d]  # (D, min(d, r, D))
+    u = _leading_left_vectors(m @ root, d)  # (D, min(d, r, D))
     if u.shape[1] < d:  # r < d: the head needs only r value dims; the rest stay zero
         u = torch.cat([u, u.new_zeros(u.shape[0], d - u.shape[1])], dim=1)
     w = u.T @ m
