@@ -1,4 +1,4 @@
-"""The work directory's hidden-state store: chunks written on a background thread read back in order."""
+"""The work directory's hidden-state store: chunks read back in order; a failed write is not swallowed."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ def test_chunks_read_back_in_order_and_the_caller_may_reuse_its_tensor(tmp_path)
     with store.writer("a") as sink:
         for s in range(0, 6, 2):
             buffer.copy_(data[s : s + 2])
-            sink.write(buffer)  # the same tensor each time: the writer must have copied it
+            sink.write(buffer)  # the same tensor each time
             buffer.fill_(float("nan"))
     assert torch.equal(store.read("a", 0, 6), data)
     assert torch.equal(store.read("a", 2, 5), data[2:5])
 
 
-def test_a_failed_write_is_raised_when_the_writer_closes(tmp_path, monkeypatch):
+def test_a_failed_write_reaches_the_caller(tmp_path, monkeypatch):
     store = HiddenStore(tmp_path, n_seq=4, seq_len=2, hidden=2)
 
     class Failing:
@@ -39,7 +39,3 @@ def test_a_failed_write_is_raised_when_the_writer_closes(tmp_path, monkeypatch):
     monkeypatch.setattr(work_dir, "open", lambda *a, **k: Failing(real_open(*a, **k)), raising=False)
     with pytest.raises(OSError, match="No space left"), store.writer("b") as sink:
         sink.write(torch.zeros(2, 2, 2))
-    # the caller's own exception wins over the writer's
-    with pytest.raises(KeyError), store.writer("c") as sink:
-        sink.write(torch.zeros(2, 2, 2))
-        raise KeyError("caller")

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import shutil
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -101,47 +99,19 @@ class HiddenStore:
 
 
 class _ChunkWriter:
-    """Appends chunks to PATH on a background thread, so the caller's next batch is computed while the
-    previous one is written: a conversion keeps gigabytes of hidden states, and the kernel makes a
-    writer of that much dirty page cache wait for the disk. At most ``_QUEUED`` chunks wait (memory
-    stays bounded); each is a copy, so the caller may reuse its tensor. Closing waits for every chunk,
-    syncs the file and raises the first write error, if any."""
-
-    _QUEUED = 2
-
     def __init__(self, path: Path):
         self._file = open(path, "wb")  # noqa: SIM115 - closed in __exit__
-        self._queue: queue.Queue = queue.Queue(maxsize=self._QUEUED)
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name=f"write {path.name}", daemon=True)
-        self._thread.start()
-
-    def _drain(self) -> None:
-        while (chunk := self._queue.get()) is not None:
-            if self._error is None:  # after a failure, only empty the queue
-                try:
-                    self._file.write(memoryview(chunk))
-                except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-                    self._error = exc
 
     def write(self, chunk: torch.Tensor) -> None:
-        if self._error is not None:
-            raise self._error
-        self._queue.put(chunk.detach().to("cpu", torch.float32, copy=True).contiguous().numpy())
+        self._file.write(memoryview(chunk.detach().float().contiguous().cpu().numpy()))
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self._queue.put(None)
-        self._thread.join()
-        try:
-            if self._error is not None and exc[0] is None:
-                raise self._error
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            self._file.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
 
 
 def _mismatch(old: dict, new: dict) -> str:
