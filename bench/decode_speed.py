@@ -235,7 +235,7 @@ def get_converted(args, scratch: Path) -> Path:
     convert(
         args.source,
         path,
-        ConvertOptions(kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim, dtype="float32", quiet=True),
+        ConvertOptions(kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim, dtype="float32", refine="none", quiet=True),
     )
     return path
 

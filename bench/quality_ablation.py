@@ -15,7 +15,7 @@ calibration text (the builtin calibration part of ``pydoc_data.topics``):
 
 A text whose file is absent on the machine is skipped with a note. Each row's ratio (converted /
 source) has a 95% interval from a bootstrap over the evaluation windows, and every row is
-compared with the closed-form default row on the same windows (paired): the interval of
+compared with the closed-form row on the same windows (paired): the interval of
 ppl(row) / ppl(default). The first row is TransMLA's method as mlakit implements it (RoRoPE +
 FreqFold, BKV-PCA, uniform ranks), the reference the issues compare against. Writes
 ablation.json and ablation.md to --out.
@@ -44,17 +44,17 @@ from mlakit.pipeline.run_state import StreamOptions
 # name -> (option overrides, sequential calibration)
 ROWS = {
     "TransMLA method (RoRoPE+FreqFold, BKV-PCA, uniform)": (
-        {"rope_method": "transmla", "lowrank_method": "bkv_pca", "allocation": "uniform"}, False),
-    "closed form only (mlakit default)": ({}, False),
-    "+ sequential calibration": ({}, True),
+        {"rope_method": "transmla", "lowrank_method": "bkv_pca", "allocation": "uniform", "refine": "none"}, False),
+    "closed form only (--refine none)": ({"refine": "none"}, False),
+    "+ sequential calibration": ({"refine": "none"}, True),
     "+ refinement (--refine layer)": ({"refine": "layer"}, False),
     "+ sequential calibration + refinement": ({"refine": "layer"}, True),
-    "+ value refit (--refine values)": ({"refine": "values"}, False),
+    "+ value refit (--refine values; the default, --refine auto, where it fits)": ({"refine": "values"}, False),
     # the refit's cost is linear in its sequences: what half of the default calibration gives
     "+ value refit on 64 sequences (--refine values --refine-sequences 64)": (
         {"refine": "values", "refine_sequences": 64}, False),
 }
-DEFAULT_ROW = "closed form only (mlakit default)"
+BASE_ROW = "closed form only (--refine none)"
 TEXTS = {
     "builtin": lambda: load_text("builtin", "eval"),
     "GPL-3": lambda: Path("/usr/share/common-licenses/GPL-3").read_text(),
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     names = list(ROWS) if args.rows == "all" else [list(ROWS)[int(i) - 1] for i in args.rows.split(",")]
-    order = sorted(names, key=lambda n: n != DEFAULT_ROW)  # the default first: the others pair with it
+    order = sorted(names, key=lambda n: n != BASE_ROW)  # the closed form first: the others pair with it
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
@@ -130,8 +130,8 @@ def main():
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)
                 cell = {"ppl": ppl, "ratio": ppl / src_ppl[k], "ratio_ci95": interval(k, s - src_sums[k])}
-                base = sums_by.get((budget, DEFAULT_ROW))
-                if name != DEFAULT_ROW and base is not None:
+                base = sums_by.get((budget, BASE_ROW))
+                if name != BASE_ROW and base is not None:
                     cell["vs_default"] = texts[k].ratio(s - base[k])
                     cell["vs_default_ci95"] = interval(k, s - base[k])
                 row["texts"][k] = cell
@@ -160,7 +160,7 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
              + (f"d_R {meta['rope_dim']} in every row; " if meta.get("rope_dim") else "") +
              f"{per_text}; "
              f"window {meta['seq_len']}, stride {meta['stride']}. In parentheses: ppl relative to the "
-             f"closed-form default row on the same windows with its 95% interval ({meta['bootstrap']} bootstrap "
+             f"closed-form row on the same windows with its 95% interval ({meta['bootstrap']} bootstrap "
              f"resamples of the windows). Bold: the best row of a budget and text. Whole run {meta['seconds']} s.", ""]
     for budget in budgets:
         rows = [r for r in results if r["budget"] == budget]

@@ -38,14 +38,14 @@ ROWS = {  # name -> (rope method, low-rank method, allocation, stock-form rope, 
     "MHA2MLA (2-norm, joint SVD), uniform": ("norm", "svd", "uniform", False, None),
     "scored RoPE + BKV-PCA, uniform": ("scored", "bkv_pca", "uniform", False, None),
     "TransMLA RoPE + RRR, uniform": ("transmla", "rrr", "uniform", False, None),
-    "mlakit default: scored RoPE + auto low rank, fisher ranks (half step)": ("scored", "auto", "fisher", False, FISHER_STEP),
+    "mlakit default closed form (before --refine auto): scored RoPE + auto low rank, fisher ranks (half step)": ("scored", "auto", "fisher", False, FISHER_STEP),
     "scored RoPE + auto low rank, uniform ranks (--allocation uniform)": ("scored", "auto", "uniform", False, None),
     "scored RoPE + auto low rank, log-error ranks (--allocation planned)": ("scored", "auto", "planned", False, None),
     "scored RoPE + auto low rank, fisher ranks, full step (ablation)": ("scored", "auto", "fisher", False, 1.0),
     "scored RoPE + auto low rank, stock-form rope for the deepseek-v3 export (--stock-rope)": ("scored", "auto", "uniform", True, None),
     "scored RoPE + RRR at every budget, fisher ranks (--lowrank-method rrr)": ("scored", "rrr", "fisher", False, FISHER_STEP),
 }
-DEFAULT_ROW = "mlakit default: scored RoPE + auto low rank, fisher ranks (half step)"
+DEFAULT_ROW = "mlakit default closed form (before --refine auto): scored RoPE + auto low rank, fisher ranks (half step)"
 
 
 def build_model(source, shape, layers):

@@ -302,6 +302,7 @@ def convert_source(source: Path, out: Path) -> float:
             calib="random",
             calib_samples=8,
             calib_seq_len=64,
+            refine="none",  # random calibration: the engine's speed, not the weights' quality, is measured
             verify=False,
             quiet=True,
         ),

@@ -59,6 +59,12 @@ def assert_same_bytes(got: Path, want: Path) -> None:
         assert (got / name).read_bytes() == (want / name).read_bytes(), name
 
 
+def layer_records(report: dict) -> list[dict]:
+    """REPORT's per-layer records without the refinement's wall time (two runs differ only there)."""
+    return [r | ({"refine": {k: v for k, v in r["refine"].items() if k != "seconds"}} if "refine" in r else {})
+            for r in report["layers"]]
+
+
 def stop_at(phase: str, index: int, exc=None):
     """An ``on_layer`` hook raising EXC (default ``Interrupt``) before layer INDEX of PHASE."""
 

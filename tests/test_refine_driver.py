@@ -20,6 +20,7 @@ from tests.convert_helpers import (
     assert_same_checkpoint,
     checkpoint_tensors,
     fast_args,
+    layer_records,
     run,
     stop_at,
 )
@@ -38,15 +39,12 @@ def test_refined_conversion_is_the_same_in_memory_and_streaming(tiny_sources, tm
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
     assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
-    strip = [{k: v for k, v in r.items() if k != "refine"} | {"refine": {k: v for k, v in r["refine"].items()
-             if k != "seconds"}} for r in got["layers"]]
-    assert strip == [{k: v for k, v in r.items() if k != "refine"} | {"refine": {k: v for k, v in r["refine"].items()
-                     if k != "seconds"}} for r in mem["layers"]]
+    assert layer_records(got) == layer_records(mem)
     for rec in got["layers"]:
         assert rec["refine"]["loss_after"] <= rec["refine"]["loss_before"], rec
     assert any(r["refine"]["kept"] != "start" for r in got["layers"])
     # the refined weights are what was written: they differ from the closed form's
-    plain = convert(str(tiny_sources[family]), tmp_path / "plain", ConvertOptions(**setting, **CALIB))
+    plain = convert(str(tiny_sources[family]), tmp_path / "plain", ConvertOptions(**setting, **CALIB, refine="none"))
     a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "plain")
     assert any(not (a[k] == b[k]).all() for k in a if ".self_attn.o_proj." in k)
     assert all((a[k] == b[k]).all() for k in a if ".self_attn." not in k)
@@ -58,7 +56,7 @@ def test_refinement_at_full_cache_stays_bit_exact(tiny_sources, tmp_path):
     is left as it was, byte for byte."""
     base = dict(kv_budget=1.0, rope_dim=32, allocation="uniform", **CALIB)  # 2 KV heads x head_dim 16
     report = convert(str(tiny_sources["llama_gqa"]), tmp_path / "refined", ConvertOptions(**base, **REFINE))
-    convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base))
+    convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base, refine="none"))
     assert_same_bytes(tmp_path / "refined", tmp_path / "plain")
     assert all(r["refine"]["kept"].startswith("start") and r["refine"]["steps"] == 0 for r in report["layers"])
     assert report["verify"]["max_abs_logit_diff"] < 1e-4
@@ -105,7 +103,7 @@ def test_cli_refine_flags_reach_the_report_and_the_saved_recipe(tiny_sources, tm
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--refine", "adam"], "'adam' is not one of 'none', 'layer'"),
+    (["--refine", "adam"], "'adam' is not one of 'auto', 'none', 'layer'"),
     (["--refine", "layer", "--refine-lr", "2"], "--refine-lr"),
     (["--refine", "layer", "--refine-batch", "0"], "--refine-batch"),
 ])
@@ -125,7 +123,7 @@ def test_bad_refine_options_fail_before_any_work():
 def test_options_defaults_are_the_refinement_defaults():
     settings = RefineSettings()
     opts = {f.name: f.default for f in fields(ConvertOptions)}
-    assert opts["refine"] == "none"
+    assert opts["refine"] == "auto"
     assert (opts["refine_epochs"], opts["refine_lr"], opts["refine_batch"], opts["refine_sequences"]) == (
         settings.epochs, settings.lr, settings.batch, settings.sequences)
 

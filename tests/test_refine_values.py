@@ -15,10 +15,10 @@ from mlakit.arch import names
 from mlakit.convert.refine import RefineSettings, attention_output
 from mlakit.convert.refine_values import ValueMoments, add_batch, latent_inputs, refit_values
 from mlakit.io.work_dir import work_dir_for
-from mlakit.pipeline import driver
-from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
+from mlakit.pipeline import driver, run_state
+from mlakit.pipeline.api import ConversionError, ConvertOptions, convert, convert_streaming
 from tests import test_streaming
-from tests.convert_helpers import assert_same_bytes, checkpoint_tensors, fast_args, run
+from tests.convert_helpers import assert_same_bytes, checkpoint_tensors, fast_args, layer_records, run
 from tests.test_refine import layer_case, state_copy
 
 deep_source = test_streaming.deep_source  # the 5-layer fixture
@@ -150,16 +150,10 @@ def test_values_refit_is_the_same_in_memory_and_streaming(tiny_sources, tmp_path
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
     assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
-
-    def strip(rep):
-        return [
-            r | {"refine": {k: v for k, v in r["refine"].items() if k != "seconds"}} for r in rep["layers"]
-        ]
-
-    assert strip(got) == strip(mem)
+    assert layer_records(got) == layer_records(mem)
     assert all(r["refine"]["loss_after"] <= r["refine"]["loss_before"] for r in mem["layers"])
     assert any(r["refine"]["kept"] == "values refit" for r in mem["layers"])
-    convert(str(tiny_sources[family]), tmp_path / "plain", ConvertOptions(**setting, **CALIB))
+    convert(str(tiny_sources[family]), tmp_path / "plain", ConvertOptions(**setting, **CALIB, refine="none"))
     a, b = checkpoint_tensors(tmp_path / "mem"), checkpoint_tensors(tmp_path / "plain")
     assert any(not (a[k] == b[k]).all() for k in a if ".self_attn.o_proj." in k)
     # only kv_b_proj and o_proj may differ from the closed form's
@@ -171,7 +165,7 @@ def test_values_refit_at_full_cache_stays_bit_exact(tiny_sources, tmp_path):
     report = convert(
         str(tiny_sources["llama_gqa"]), tmp_path / "refined", ConvertOptions(**base, refine="values")
     )
-    convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base))
+    convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base, refine="none"))
     assert_same_bytes(tmp_path / "refined", tmp_path / "plain")
     assert all(r["refine"]["kept"].startswith("start (already exact)") for r in report["layers"])
 
@@ -252,6 +246,35 @@ def test_values_refit_too_large_for_the_memory_is_refused_before_any_work(tiny_s
     code, text = run(tiny_sources["qwen2"], out, *fast_args(), "--refine", "values", "--max-memory", "100KB")
     assert code != 0 and "--refine values" in text and "--refine layer" in text and "--max-memory" in text, text
     assert not out.exists()
+
+
+def test_auto_is_the_value_refit_where_it_fits_and_none_elsewhere(tiny_sources, tmp_path, caplog, monkeypatch):
+    """The default (--refine auto) gives --refine values' bytes on a compressed conversion, names the
+    refit in the saved recipe and report; falls back to no refit where the joint solve would not fit
+    (where --refine values is refused, above) and where a lossless conversion has nothing to refit."""
+    src = str(tiny_sources["qwen2"])
+    setting = dict(kv_budget=0.4, allocation="fisher", **CALIB)
+    auto = convert(src, tmp_path / "auto", ConvertOptions(**setting))
+    convert(src, tmp_path / "values", ConvertOptions(**setting, refine="values"))
+    assert_same_bytes(tmp_path / "auto", tmp_path / "values")
+    assert auto["settings"]["refine"] == "values"
+    assert yaml.safe_load((tmp_path / "auto" / "recipe.yaml").read_text())["refine"] == "values"
+    assert any(r["refine"]["kept"] == "values refit" for r in auto["layers"])
+
+    def too_large(shape, rank, max_memory):  # a tiny model's moments always fit: stand in for a 7B one's
+        raise ValueError("--refine values solves for all heads' latents at once: at kv_lora_rank 2496 one layer's "
+                         "float64 moments take about 189.6 GiB, more than half of this machine's memory. Use ...")
+
+    monkeypatch.setattr(run_state, "check_values_refit", too_large)
+    caplog.set_level("INFO", logger="mlakit.pipeline.run_state")
+    small = convert_streaming(src, tmp_path / "small", ConvertOptions(**setting))
+    assert small["settings"]["refine"] == "none" and all("refine" not in r for r in small["layers"])
+    assert "--refine auto: no value refit, the closed form only. --refine values solves" in caplog.text
+    with pytest.raises(ConversionError, match="189.6 GiB"):  # asked for by name, it is refused
+        convert(src, tmp_path / "refused", ConvertOptions(**setting, refine="values"))
+
+    lossless = convert(src, tmp_path / "full", ConvertOptions(kv_lora_rank="full", rope_dim="full", quiet=True))
+    assert lossless["settings"]["refine"] == "none"
 
 
 def test_values_refit_memory_check_at_real_shapes():

@@ -65,7 +65,7 @@ EXACT_LOSS = 1e-10
 _EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (calibration.BATCH_SIZE)
 # --refine layer: this module on the converted stream; --refine values: the joint value / o_proj
 # refit from moments on the source stream (refine_values.py)
-REFINE_METHODS = tuple(m for m in REFINE_MODES if m != "none")
+REFINE_METHODS = tuple(m for m in REFINE_MODES if m not in ("auto", "none"))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ and says what a work directory must match to be resumed. It reads no layer weigh
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -33,6 +34,8 @@ from .settings import (
     sensitivity_sequences,
 )
 from .stream_memory import check_values_refit, choose_batch_size, estimate_sweep_bytes
+
+log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
@@ -88,6 +91,24 @@ def on_device(device: str, w: AttentionWeights, stats: LayerStats | None):
 class ConversionSetup:
     """The resolved settings of converting SOURCE with OPTS (see the module docstring)."""
 
+    def _resolve_refine(self, opts, shape, stream: StreamOptions):
+        """OPTS with ``--refine auto`` made concrete, and ``--refine values`` checked before any work: its
+        solve is joint over every head's latent, so its memory grows with (heads x rank)^2. auto is values
+        where the conversion compresses (a lossless one has nothing to refit) and that solve fits, else
+        none (logged, and named in the saved recipe and report)."""
+        if opts.refine not in ("auto", "values"):
+            return opts
+        if opts.refine == "auto" and not self.calibrated:
+            return replace(opts, refine="none")
+        try:  # the ranks a plan picks average the uniform ones; the largest is what counts, at least that
+            check_values_refit(shape, max(self.ranks or self.uniform), stream.max_memory)
+        except ValueError as exc:
+            if opts.refine == "values":
+                raise ConversionError(str(exc)) from exc
+            log.info("--refine auto: no value refit, the closed form only. %s", exc)
+            return replace(opts, refine="none")
+        return replace(opts, refine="values")
+
     def __init__(self, source, opts, stream: StreamOptions):
         self.source, self.stream = source, stream
         cfg = source.config
@@ -100,7 +121,6 @@ class ConversionSetup:
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
         self.method = method_of(opts, shape)
-        self.refine = refine_settings(opts)  # None: no layer-wise refinement
         G, d = shape.num_kv_heads, shape.head_dim
         self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}
@@ -119,12 +139,9 @@ class ConversionSetup:
         else:
             rank, self.rope_dim = check_ranks(opts, shape)
             self.ranks = [rank] * n
-        if self.refine is not None and self.refine.method == "values":
-            try:  # the ranks a plan picks average the uniform ones; the largest is what counts, at least that
-                check_values_refit(shape, max(self.ranks or self.uniform), stream.max_memory)
-            except ValueError as exc:
-                raise ConversionError(str(exc)) from exc
         self.calibrated = needs_calibration(opts, shape)
+        self.opts = opts = self._resolve_refine(opts, shape, stream)
+        self.refine = refine_settings(opts)  # None: no layer-wise refinement
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
         # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)
         self.n_sensitivity = sensitivity_sequences(opts, self.calib_ids.shape[0]) if self.calibrated else 0
