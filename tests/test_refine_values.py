@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from mlakit.arch import names
+from mlakit.convert import refine_values
 from mlakit.convert.refine import RefineSettings, attention_output
 from mlakit.convert.refine_values import ValueMoments, add_batch, latent_inputs, refit_values
 from mlakit.io.work_dir import work_dir_for
@@ -47,8 +48,12 @@ def _refit(block, run, x, y, batch: int = 5):
     return refit_values(block, moments)
 
 
-def test_latents_reproduce_the_attention_output(tiny_sources):
-    """o_h = W_UV_h a_h: the latents times each head's value map, through o_proj, are the attention's output."""
+@pytest.mark.parametrize("score_bytes", [None, 1])
+def test_latents_reproduce_the_attention_output(tiny_sources, monkeypatch, score_bytes):
+    """o_h = W_UV_h a_h: the latents times each head's value map, through o_proj, are the attention's output;
+    also when the scores are taken one query at a time."""
+    if score_bytes is not None:
+        monkeypatch.setattr(refine_values, "_SCORE_BYTES", score_bytes)
     block, run, x, _, _ = _case(tiny_sources, "qwen2", 8, 20)
     attn = block.self_attn
     a = latent_inputs(block, run, x).detach()  # (N, T, H, r)

@@ -154,8 +154,9 @@ def test_float32_products_are_summed_in_float64_and_agree_with_float64_moments()
 
 @pytest.mark.parametrize("best", [1e-8, 1e-2, 30.0])
 def test_ridge_walk_finds_the_minimum_of_a_unimodal_error_with_few_fits(best):
-    """The walk from the grid's middle reaches the minimum at either end or inside, fitting fewer ridges than
-    the grid holds when the minimum is near the middle; a start that beats every ridge gives None."""
+    """The walk from the grid's middle (or a given ridge) reaches the minimum at either end or inside, fitting
+    fewer ridges than the grid holds when the minimum is near the start; a start that beats every ridge gives
+    None."""
     import math
 
     folds = [(None, None, 1.0), (None, None, 1.0)]
@@ -172,3 +173,8 @@ def test_ridge_walk_finds_the_minimum_of_a_unimodal_error_with_few_fits(best):
     assert ridge == best and report["ridge"] == best
     assert report["ridges_tried"] == len(set(tried)) and (best != 1e-2 or report["ridges_tried"] <= 5)
     assert choose_ridge("start", folds, fit, VALUE_RIDGES, lambda w, m: 0.1 if w == "start" else error(w, m))[0] is None
+    # from any start of the grid the walk ends at the same minimum; from the minimum itself, after 3 fits
+    for first in (VALUE_RIDGES[0], 1e-3, best, VALUE_RIDGES[-1], 0.5):  # 0.5 is off the grid: the middle
+        assert choose_ridge("start", folds, fit, VALUE_RIDGES, error, first=first)[0] == best
+    edge = best in (VALUE_RIDGES[0], VALUE_RIDGES[-1])
+    assert choose_ridge("start", folds, fit, VALUE_RIDGES, error, first=best)[1]["ridges_tried"] == (2 if edge else 3)

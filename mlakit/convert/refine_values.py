@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .refine import EXACT_LOSS, run_to_attention
@@ -39,6 +38,9 @@ from .refit_moments import (
     sum_folds,
     values_error,
 )
+
+# the largest block of attention scores ``latent_attention`` materialises at once (bytes)
+_SCORE_BYTES = 1 << 28
 
 __all__ = ["ValueMoments", "add_batch", "latent_attention", "latent_inputs", "refit_values"]
 
@@ -57,16 +59,31 @@ class ValueMoments(FoldMoments):
 def latent_attention(attn, hidden_states, position_embeddings, attention_mask=None) -> torch.Tensor:
     """The attention-weighted latent of every head of MLA attention ATTN, a_{h,t} = sum_s p_{h,t,s} c_kv,s
     (B, S, H, r), with its own scores: what each head's value map W_UV_h turns into its output
-    (o_h = W_UV_h a_h)."""
+    (o_h = W_UV_h a_h).
+
+    Scored in the absorbed form, q_h W_UK_h against the shared [c_kv; k_rope], and weighted over the
+    shared c_kv: every head's scores and weights are one batched product against keys and values
+    that are the same for all heads (a fused attention kernel would take them per head, expanded,
+    at a few times the time). The scores are materialised a block of queries at a time, at most
+    ``_SCORE_BYTES`` each."""
     q_nope, q_rope, c_kv, k_rope = attn._project(hidden_states, position_embeddings)
     B, H, S, d = q_nope.shape
-    T, r = c_kv.shape[1], attn.kv_lora_rank
+    r = attn.kv_lora_rank
     w_uk = attn.kv_b_proj.weight.view(H, d + attn.v_head_dim, r)[:, :d]  # (H, d, r): the key rows only
-    k = torch.cat([torch.einsum("btr,hdr->bhtd", c_kv, w_uk), k_rope[:, None].expand(B, H, T, k_rope.shape[-1])], -1)
-    q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, d + d_R)
-    bias = None if attention_mask is None else attention_mask.additive(q.dtype)
-    latent = c_kv[:, None].expand(B, H, T, r)  # the latent as every head's value
-    return F.scaled_dot_product_attention(q, k, latent, attn_mask=bias, scale=attn.scaling).transpose(1, 2)
+    q = torch.cat([q_nope @ w_uk, q_rope], dim=-1) * attn.scaling  # (B, H, S, r + d_R), scaled: fewer than the scores
+    keys = torch.cat([c_kv, k_rope], dim=-1).transpose(1, 2)  # (B, r + d_R, T), every head's
+    T = keys.shape[-1]
+    allowed = None if attention_mask is None else attention_mask.allowed  # (1 or B, 1, S, T)
+    step = max(1, _SCORE_BYTES // (B * H * T * q.element_size()))
+    out = []
+    for a in range(0, S, step):
+        qa = q[:, :, a : a + step]
+        s = qa.shape[2]
+        scores = (qa.reshape(B, H * s, -1) @ keys).view(B, H, s, T)
+        if allowed is not None:  # a masked key weighs as under an additive finfo.min bias, as in the model
+            scores.masked_fill_(~allowed[..., a : a + s, :], torch.finfo(scores.dtype).min)
+        out.append((scores.softmax(-1).view(B, H * s, T) @ c_kv).view(B, H, s, r))
+    return torch.cat(out, dim=2).transpose(1, 2)
 
 
 def latent_inputs(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
@@ -120,10 +137,12 @@ def _assign(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
         o.bias = nn.Parameter(w_o[:, -1].to(o.bias.dtype).contiguous(), requires_grad=False)
 
 
-def refit_values(block: nn.Module, moments: ValueMoments) -> dict:
+def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | None = None) -> dict:
     """Refit BLOCK's W_UV and o_proj in place from MOMENTS (``add_batch``); returns the report:
     loss_before, loss_after (relative to the target's energy), kept, and the ridge validation
-    (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped."""
+    (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped. START_RIDGE (the layer below's
+    choice) is where the ridge search starts: neighbouring layers mostly pick the same or the next
+    ridge, so the walk is shorter from there."""
     start = time.time()
     attn = block.self_attn
     w_uv, w_o = _weights(attn)
@@ -152,6 +171,7 @@ def refit_values(block: nn.Module, moments: ValueMoments) -> dict:
         lambda f, ridge: fit_values(folds[f], ridge, start_map, H, d, bias, rms, roots[f]),
         VALUE_RIDGES,
         error=lambda fitted, m: values_error(*fitted, m),
+        first=start_ridge,
     )
     report |= validation
     if ridge is None:

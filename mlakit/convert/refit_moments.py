@@ -141,6 +141,7 @@ def choose_ridge(
     fit: Callable[[int, float], object],
     ridges: tuple[float, ...] = RIDGES,
     error: Callable[[object, Moments], float] | None = None,
+    first: float | None = None,
 ):
     """The ridge of RIDGES (ascending) whose fit (``fit(fold, ridge)``: fitted on ``folds[fold]``) has
     the lowest held-out error over the two folds, or None when it does not beat W0's own held-out
@@ -151,10 +152,11 @@ def choose_ridge(
     The grid is walked from its middle toward the lower held-out error and the walk stops at a ridge
     both of whose neighbours are worse: the held-out error is unimodal in the log ridge (every layer
     of a SmolLM2 conversion, bench/experiments/ridge_search.py), so this finds the grid's minimum with
-    a few fits instead of one per ridge."""
+    a few fits instead of one per ridge. FIRST (a ridge of the grid) is where the walk begins instead of
+    the middle; on a unimodal error the minimum found is the same from anywhere."""
     error = error or (lambda w, m: quadratic_error(w, *m))
     held = lambda w_of: sum(error(w_of(1 - f), folds[f]) for f in (0, 1))  # noqa: E731
-    start = held(lambda f: w0)
+    at_start = held(lambda f: w0)
     errors: dict[int, float] = {}
 
     def at(k: int) -> float:
@@ -162,13 +164,13 @@ def choose_ridge(
             errors[k] = held(lambda f: fit(f, ridges[k]))
         return errors[k]
 
-    k = len(ridges) // 2
+    k = ridges.index(first) if first in ridges else len(ridges) // 2
     while (best := min((j for j in (k - 1, k, k + 1) if 0 <= j < len(ridges)), key=at)) != k:
         k = best
     total = folds[0][2] + folds[1][2]
-    report = {"cv_loss_start": start / total, "cv_loss_refit": errors[k] / total, "ridge": ridges[k],
+    report = {"cv_loss_start": at_start / total, "cv_loss_refit": errors[k] / total, "ridge": ridges[k],
               "ridges_tried": len(errors)}
-    return (ridges[k] if errors[k] < start else None), report
+    return (ridges[k] if errors[k] < at_start else None), report
 
 
 def project_moments(w_uv: torch.Tensor, moments: Moments, bias: bool) -> Moments:

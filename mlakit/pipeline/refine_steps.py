@@ -80,7 +80,8 @@ class RefineSteps:
                     target = attention_output(src_layer, self.src_layers.run, x)
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
-        report = refit_values(block, moments)
+        below = self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}  # layer i - 1's record
+        report = refit_values(block, moments, start_ridge=below.get("ridge"))
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "sequences": n} | report
