@@ -118,6 +118,8 @@ def run_conversion(src: Path, out: Path, args) -> dict:
         str(args.calib_seq_len),
         "--pipeline",
         "streaming",
+        "--refine",  # the closed form, as its recorded results ran (auto keeps it at 7B shapes too)
+        "none",
         "-q",
     ]
     if args.nice:

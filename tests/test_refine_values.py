@@ -282,6 +282,38 @@ def test_auto_is_the_value_refit_where_it_fits_and_none_elsewhere(tiny_sources, 
     assert lossless["settings"]["refine"] == "none"
 
 
+def test_auto_skips_the_value_refit_whose_work_exceeds_its_share_of_the_forward(tiny_sources, tmp_path, caplog,
+                                                                                 monkeypatch):
+    """Where the joint solve fits the memory but its arithmetic would pass REFIT_WORK_SHARE of the layer's
+    forward, auto is the closed form (logged); --refine values, asked for by name, still runs."""
+    src, setting = str(tiny_sources["llama_gqa"]), dict(kv_budget=0.4, allocation="uniform", **CALIB)
+    monkeypatch.setattr(run_state, "REFIT_WORK_SHARE", 0.0)
+    caplog.set_level("INFO", logger="mlakit.pipeline.run_state")
+    auto = convert(src, tmp_path / "auto", ConvertOptions(**setting))
+    assert auto["settings"]["refine"] == "none" and "x a layer's forward arithmetic" in caplog.text
+    named = convert(src, tmp_path / "named", ConvertOptions(**setting, refine="values"))
+    assert named["settings"]["refine"] == "values" and all("refine" in r for r in named["layers"])
+
+
+def test_values_refit_work_at_real_shapes():
+    """The rule auto applies: within the share at SmolLM2's shape, over it at 7B shapes with a 512 latent,
+    whose (32 x 512)^2 moments and cubic solves outgrow the layer's forward."""
+    from types import SimpleNamespace
+
+    from mlakit.arch.families import AttentionShape
+    from mlakit.pipeline.stream_memory import REFIT_WORK_SHARE, values_refit_work
+
+    tokens = 128 * 256
+    smollm2 = AttentionShape("llama", 9, 3, 64, 576, False, False, None)
+    llama7b = AttentionShape("llama", 32, 32, 128, 4096, False, False, None)
+    assert values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens) < REFIT_WORK_SHARE
+    assert values_refit_work(SimpleNamespace(intermediate_size=11008), llama7b, 512, tokens, tokens) > REFIT_WORK_SHARE
+    # half the sequences refitted: the moments' share halves, the solves' stays
+    full = values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens)
+    half = values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens // 2)
+    assert full / 2 < half < full
+
+
 def test_values_refit_memory_check_at_real_shapes():
     from mlakit.arch.families import AttentionShape
     from mlakit.pipeline.stream_memory import check_values_refit, values_refit_bytes

@@ -54,7 +54,8 @@ def main():
     ap.add_argument("--calib-samples", type=int, default=32)
     args = ap.parse_args()
     layer_metrics.LayerMetrics.reach = extended_reach(args.horizon)
-    run_conversion("default", args.out, ConvertOptions(kv_budget=args.kv_budget, calib_samples=args.calib_samples),
+    run_conversion("default", args.out, ConvertOptions(kv_budget=args.kv_budget, calib_samples=args.calib_samples,
+                                                  refine="none"),
                    "in-memory", StreamOptions())
 
 

@@ -33,7 +33,13 @@ from .settings import (
     resolve_lowrank,
     sensitivity_sequences,
 )
-from .stream_memory import check_values_refit, choose_batch_size, estimate_sweep_bytes
+from .stream_memory import (
+    REFIT_WORK_SHARE,
+    check_values_refit,
+    choose_batch_size,
+    estimate_sweep_bytes,
+    values_refit_work,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +99,30 @@ class ConversionSetup:
 
     def _resolve_refine(self, opts, shape, stream: StreamOptions):
         """OPTS with ``--refine auto`` made concrete, and ``--refine values`` checked before any work: its
-        solve is joint over every head's latent, so its memory grows with (heads x rank)^2. auto is values
-        where the conversion compresses (a lossless one has nothing to refit) and that solve fits, else
-        none (logged, and named in the saved recipe and report)."""
+        solve is joint over every head's latent, so its memory grows with (heads x rank)^2 and its work
+        with the cube. auto is values where the conversion compresses (a lossless one has nothing to
+        refit), that solve fits the memory and its arithmetic stays within ``REFIT_WORK_SHARE`` of the
+        layer's forward; else none (logged, and named in the saved recipe and report)."""
         if opts.refine not in ("auto", "values"):
             return opts
         if opts.refine == "auto" and not self.calibrated:
             return replace(opts, refine="none")
-        try:  # the ranks a plan picks average the uniform ones; the largest is what counts, at least that
-            check_values_refit(shape, max(self.ranks or self.uniform), stream.max_memory)
+        rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
+        try:
+            check_values_refit(shape, rank, stream.max_memory)
         except ValueError as exc:
             if opts.refine == "values":
                 raise ConversionError(str(exc)) from exc
             log.info("--refine auto: no value refit, the closed form only. %s", exc)
+            return replace(opts, refine="none")
+        used = opts.calib_samples if opts.refine_sequences is None else min(opts.refine_sequences, opts.calib_samples)
+        work = values_refit_work(self.source.config, shape, rank, opts.calib_samples * opts.calib_seq_len,
+                                 used * opts.calib_seq_len)
+        if opts.refine == "auto" and work > REFIT_WORK_SHARE:
+            log.info("--refine auto: no value refit, the closed form only. Its joint solve over %d heads at "
+                     "kv_lora_rank %d would take about %.1fx a layer's forward arithmetic over the calibration "
+                     "(the conversion's budget leaves about %.0fx); --refine values runs it anyway.",
+                     shape.num_heads, rank, work, REFIT_WORK_SHARE)
             return replace(opts, refine="none")
         return replace(opts, refine="values")
 

@@ -126,6 +126,27 @@ def values_refit_bytes(shape: AttentionShape, rank: int) -> int:
     return _F64 * (4 * p * p + 3 * p * shape.hidden_size)
 
 
+# --refine auto runs the value refit only where its arithmetic stays within this share of the decoder
+# forward's over the same layer and tokens: the conversion's budget is 3x the bare forward (issue #19) and
+# the closed form takes about 2x (bench/results/convert_cost_closed.md), which leaves about 1x
+REFIT_WORK_SHARE = 1.0
+_REFIT_SOLVES = 9  # p x p factorisations of one layer's refit: about 4 ridges on each of 2 folds, the final fit
+
+
+def values_refit_work(config, shape: AttentionShape, rank: int, tokens: int, refit_tokens: int) -> float:
+    """The ``--refine values`` arithmetic of one layer at RANK over REFIT_TOKENS tokens, relative to the decoder
+    layer's forward (its projections and MLP) over the TOKENS of the calibration: the moments of a (p^2 a token
+    for the half-work Gram of Sigma_aa, 2 p D for Sigma_ay) and the p x p solves (p^3 / 3 each), p = H r + 1.
+    It grows with p^2 per token and p^3 per layer where the forward grows with D^2: small at SmolLM2's
+    shape, above the forward at 7B shapes with a 512 latent. Float64 solves count like float32 products,
+    so the time share is larger than this ratio."""
+    p = shape.num_heads * rank + 1
+    D, d = shape.hidden_size, shape.head_dim
+    refit = refit_tokens * (p * p + 2 * p * D) + _REFIT_SOLVES * p**3 / 3
+    layer = 2 * D * d * (shape.num_heads + shape.num_kv_heads) + 3 * D * config.intermediate_size
+    return refit / (2 * tokens * layer)
+
+
 def check_values_refit(shape: AttentionShape, rank: int, max_memory: int | None) -> None:
     """Refuse ``--refine values`` before any work when one layer's solve at RANK needs more than MAX_MEMORY
     bytes (unset: half of this machine's physical memory): it is a joint solve over every head's latent."""
