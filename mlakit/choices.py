@@ -28,7 +28,8 @@ BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handl
 ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)
 TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.engine_target)
 # after the closed form: nothing, convert.refine on every layer, or convert.refine_values on every layer;
-# auto is values where its joint solve fits the memory and the conversion compresses, none otherwise
+# auto is values where the conversion compresses and its joint solve fits the memory and the arithmetic
+# share (pipeline.stream_memory.REFIT_WORK_SHARE), none otherwise
 REFINE_MODES = ("auto", "none", "layer", "values")
 HEAL_TRAIN_CHOICES = ("attention", "all")  # what `heal --train` trains (heal.schedule.select_trainable)
 

@@ -133,7 +133,8 @@ class ConvertOptions:
             "the converted layers below it produce (error-compensating), o_proj by least squares, then "
             "--refine-epochs of Adam. values: each head's value map and o_proj jointly, by least squares from "
             "moments gathered on the source's own hidden states (no converted-stream forward). auto: values "
-            "where the conversion compresses and one layer's joint solve fits the memory limit, else none."
+            "where the conversion compresses and one layer's joint solve fits the memory limit and costs at most "
+            "the layer's calibration forward in arithmetic, else none (logged)."
         ),
     ] = "auto"
     refine_epochs: Annotated[

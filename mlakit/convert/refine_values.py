@@ -64,8 +64,8 @@ def latent_attention(attn, hidden_states, position_embeddings, attention_mask=No
     Scored in the absorbed form, q_h W_UK_h against the shared [c_kv; k_rope], and weighted over the
     shared c_kv: every head's scores and weights are one batched product against keys and values
     that are the same for all heads (a fused attention kernel takes them per head, expanded: 2.4x the
-    time at SmolLM2's calibration batch in a scratch timing). The scores are materialised a block of queries at a time, at most
-    ``_SCORE_BYTES`` each."""
+    time at SmolLM2's calibration batch in a scratch timing). The scores are materialised a block of
+    queries at a time, at most ``_SCORE_BYTES`` each."""
     q_nope, q_rope, c_kv, k_rope = attn._project(hidden_states, position_embeddings)
     B, H, S, d = q_nope.shape
     r = attn.kv_lora_rank

@@ -115,16 +115,16 @@ class ConversionSetup:
                 raise ConversionError(str(exc)) from exc
             log.info("--refine auto: no value refit, the closed form only. %s", exc)
             return replace(opts, refine="none")
-        used = opts.calib_samples if opts.refine_sequences is None else min(opts.refine_sequences, opts.calib_samples)
-        work = values_refit_work(self.source.config, shape, rank, opts.calib_samples * opts.calib_seq_len,
-                                 used * opts.calib_seq_len)
+        values = replace(opts, refine="values")
+        refit_tokens = refine_settings(values).used(opts.calib_samples) * opts.calib_seq_len
+        work = values_refit_work(self.source.config, shape, rank, opts.calib_samples * opts.calib_seq_len, refit_tokens)
         if opts.refine == "auto" and work > REFIT_WORK_SHARE:
             log.info("--refine auto: no value refit, the closed form only. Its joint solve over %d heads at "
                      "kv_lora_rank %d would take about %.1fx a layer's forward arithmetic over the calibration "
                      "(the conversion's budget leaves about %.0fx); --refine values runs it anyway.",
                      shape.num_heads, rank, work, REFIT_WORK_SHARE)
             return replace(opts, refine="none")
-        return replace(opts, refine="values")
+        return values
 
     def __init__(self, source, opts, stream: StreamOptions):
         self.source, self.stream = source, stream
