@@ -53,6 +53,8 @@ ROWS = {
     # the refit's cost is linear in its sequences: what half of the default calibration gives
     "+ value refit on 64 sequences (--refine values --refine-sequences 64)": (
         {"refine": "values", "refine_sequences": 64}, False),
+    # what --refine auto runs where the joint solve is too large (7B shapes)
+    "+ per-head value refit (--refine values-per-head)": ({"refine": "values-per-head"}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {

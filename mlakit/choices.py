@@ -27,10 +27,10 @@ STOCK_ROPE_METHODS = ("scored", "transmla")  # rope methods that can keep the st
 BIAS_POLICIES = ("refuse", "drop", "hf-exact")  # the deepseek-v3 export's handling of attention biases
 ROPE_SCALING_POLICIES = ("refuse", "hf-exact")  # the export's handling of a scaled rope (llama3, linear)
 TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.engine_target)
-# after the closed form: nothing, convert.refine on every layer, or convert.refine_values on every layer;
-# auto is values where the conversion compresses and its joint solve fits the memory and the arithmetic
-# share (pipeline.stream_memory.REFIT_WORK_SHARE), none otherwise
-REFINE_MODES = ("auto", "none", "layer", "values")
+# after the closed form: nothing, convert.refine, convert.refine_values or convert.refine_heads on every
+# layer; auto is values where the conversion compresses and its joint solve fits the memory and the
+# arithmetic share (pipeline.stream_memory.REFIT_WORK_SHARE), else values-per-head where that fits, else none
+REFINE_MODES = ("auto", "none", "layer", "values", "values-per-head")
 HEAL_TRAIN_CHOICES = ("attention", "all")  # what `heal --train` trains (heal.schedule.select_trainable)
 
 # The rotary selection weighs each component by its attention at every query-key distance

@@ -132,9 +132,10 @@ class ConvertOptions:
             "output; never raises a layer's calibration loss; the cache is unchanged. layer: from the hidden states "
             "the converted layers below it produce (error-compensating), o_proj by least squares, then "
             "--refine-epochs of Adam. values: each head's value map and o_proj jointly, by least squares from "
-            "moments gathered on the source's own hidden states (no converted-stream forward). auto: values "
-            "where the conversion compresses and one layer's joint solve fits the memory limit and costs at most "
-            "the layer's calibration forward in arithmetic, else none (logged)."
+            "moments gathered on the source's own hidden states (no converted-stream forward). values-per-head: "
+            "the same head by head, then o_proj (two passes; small moments at any model size). auto: values where "
+            "the conversion compresses and one layer's joint solve fits the memory limit and costs at most the "
+            "layer's calibration forward in arithmetic, else values-per-head on the same terms, else none (logged)."
         ),
     ] = "auto"
     refine_epochs: Annotated[
@@ -211,10 +212,10 @@ class ConvertOptions:
                 f"--kv-budget {self.kv_budget} and --kv-lora-rank {self.kv_lora_rank} both set the latent rank: "
                 f"give one (a budget plans each layer's rank)"
             )
-        if self.refine in ("auto", "values") and self.refine_epochs:
+        if self.refine not in ("none", "layer") and self.refine_epochs:
             raise ValueError(
                 f"--refine-epochs {self.refine_epochs} sets Adam passes of --refine layer; --refine {self.refine} "
-                f"is {'a' if self.refine == 'values' else 'at most a'} closed-form refit: drop --refine-epochs or "
+                f"is {'at most a' if self.refine == 'auto' else 'a'} closed-form refit: drop --refine-epochs or "
                 f"use --refine layer"
             )
         return self

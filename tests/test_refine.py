@@ -12,7 +12,13 @@ from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attentio
 from mlakit.convert.calibration import layer_accumulator
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.refine import RefineSettings, attention_residual, layer_loss, refine_layer
+from mlakit.convert.refine import (
+    RefineSettings,
+    attention_output,
+    attention_residual,
+    layer_loss,
+    refine_layer,
+)
 from mlakit.io.source import open_source
 from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
 
@@ -20,7 +26,8 @@ from mlakit.pipeline.layer_runner import MLALayers, SourceLayers
 def layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, loss: str = "attention",
                 sequences: int = 12, seq_len: int = 32):
     """Layer 1 of a tiny source, converted by the closed form from its own calibration statistics;
-    its inputs (the source's layer-0 outputs of SEQUENCES random token sequences) and the source's targets."""
+    its inputs (the source's layer-0 outputs of SEQUENCES random token sequences) and the source's targets
+    (LOSS "heads": its attention's o_proj input)."""
     source = open_source(str(src_dir))
     shape = attention_shape(source.config)
     G, d = shape.num_kv_heads, shape.head_dim
@@ -35,7 +42,10 @@ def layer_case(src_dir, family: str, rope_dim: int | None, rank: int | None, los
     layer = src.layer(i, tensors)
     acc = layer_accumulator(layer.self_attn, src.inv_freq, shape)
     handles = acc.attach()
-    targets = src.run(layer, hidden) if loss == "block" else attention_residual(layer, src.run, hidden)
+    if loss == "heads":  # the source attention's o_proj input: every head's own output
+        targets = attention_output(layer, src.run, hidden, heads=True)
+    else:
+        targets = src.run(layer, hidden) if loss == "block" else attention_residual(layer, src.run, hidden)
     for h in handles:
         h.remove()
     w = read_attention(source, i, shape)

@@ -266,7 +266,7 @@ def test_auto_is_the_value_refit_where_it_fits_and_none_elsewhere(tiny_sources, 
     assert yaml.safe_load((tmp_path / "auto" / "recipe.yaml").read_text())["refine"] == "values"
     assert any(r["refine"]["kept"] == "values refit" for r in auto["layers"])
 
-    def too_large(shape, rank, max_memory):  # a tiny model's moments always fit: stand in for a 7B one's
+    def too_large(shape, rank, max_memory, method):  # a tiny model's moments always fit: stand in for a 7B one's
         raise ValueError("--refine values solves for all heads' latents at once: at kv_lora_rank 2496 one layer's "
                          "float64 moments take about 189.6 GiB, more than half of this machine's memory. Use ...")
 
@@ -296,21 +296,26 @@ def test_auto_skips_the_value_refit_whose_work_exceeds_its_share_of_the_forward(
 
 
 def test_values_refit_work_at_real_shapes():
-    """The rule auto applies: within the share at SmolLM2's shape, over it at 7B shapes with a 512 latent,
-    whose (32 x 512)^2 moments and cubic solves outgrow the layer's forward."""
+    """The rule auto applies: the joint refit within the share at SmolLM2's shape, over it at 7B shapes with a
+    512 latent, whose (32 x 512)^2 moments and cubic solves outgrow the layer's forward; the per-head refit
+    within it there; neither for Llama-2-7B (32 KV heads) at 68.75% less KV, a 2496 latent."""
     from types import SimpleNamespace
 
     from mlakit.arch.families import AttentionShape
     from mlakit.pipeline.stream_memory import REFIT_WORK_SHARE, values_refit_work
 
     tokens = 128 * 256
-    smollm2 = AttentionShape("llama", 9, 3, 64, 576, False, False, None)
-    llama7b = AttentionShape("llama", 32, 32, 128, 4096, False, False, None)
-    assert values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens) < REFIT_WORK_SHARE
-    assert values_refit_work(SimpleNamespace(intermediate_size=11008), llama7b, 512, tokens, tokens) > REFIT_WORK_SHARE
-    # half the sequences refitted: the moments' share halves, the solves' stays
-    full = values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens)
-    half = values_refit_work(SimpleNamespace(intermediate_size=1536), smollm2, 116, tokens, tokens // 2)
+    smollm2, mlp = AttentionShape("llama", 9, 3, 64, 576, False, False, None), SimpleNamespace(intermediate_size=1536)
+    llama3 = AttentionShape("llama", 32, 8, 128, 4096, False, False, None), SimpleNamespace(intermediate_size=14336)
+    llama2 = AttentionShape("llama", 32, 32, 128, 4096, False, False, None), SimpleNamespace(intermediate_size=11008)
+    work = lambda model, rank, method, refit=tokens: values_refit_work(model[1], model[0], rank, 64, 256, tokens,  # noqa: E731
+                                                                       refit, method)
+    assert values_refit_work(mlp, smollm2, 116, 48, 256, tokens, tokens, "values") < REFIT_WORK_SHARE
+    assert work(llama3, 512, "values") > REFIT_WORK_SHARE > work(llama3, 512, "values-per-head")
+    assert work(llama2, 2496, "values-per-head") > REFIT_WORK_SHARE
+    # half the sequences refitted: the per-token share halves, the solves' stays
+    full = values_refit_work(mlp, smollm2, 116, 48, 256, tokens, tokens)
+    half = values_refit_work(mlp, smollm2, 116, 48, 256, tokens, tokens // 2)
     assert full / 2 < half < full
 
 
@@ -325,3 +330,6 @@ def test_values_refit_memory_check_at_real_shapes():
     # Llama-2-7B at 68.75% less KV (r + d_R = 2560): hundreds of GiB
     with pytest.raises(ValueError, match="kv_lora_rank 2496"):
         check_values_refit(llama7b, 2496, 64 * 2**30)
+    # head by head the same layer fits: each head's (r + d)^2 moments and o_proj's, a few GiB
+    check_values_refit(llama7b, 2496, 64 * 2**30, "values-per-head")
+    assert values_refit_bytes(llama7b, 512, "values-per-head") < 2**31

@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-__all__ = ["BLOCK_MLAKIT", "FAMILY_BUILDERS", "assert_close", "build_tiny", "save_tiny_source"]
+__all__ = ["BLOCK_MLAKIT", "FAMILY_BUILDERS", "TINY_CONFIG", "assert_close", "build_tiny", "save_tiny_source"]
 
 # First lines of a subprocess script that must work without mlakit: importing it raises.
 BLOCK_MLAKIT = """\
@@ -26,19 +26,19 @@ class _BlockMlakit(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _BlockMlakit())
 """
 
-_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+TINY_CONFIG = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 FAMILY_BUILDERS = {
-    "llama_gqa": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, num_key_value_heads=2, rope_theta=10000.0)),
-    "llama_mha": lambda: LlamaForCausalLM(LlamaConfig(**_COMMON, num_key_value_heads=4, rope_theta=500.0)),
+    "llama_gqa": lambda: LlamaForCausalLM(LlamaConfig(**TINY_CONFIG, num_key_value_heads=2, rope_theta=10000.0)),
+    "llama_mha": lambda: LlamaForCausalLM(LlamaConfig(**TINY_CONFIG, num_key_value_heads=4, rope_theta=500.0)),
     "llama3_scaled": lambda: LlamaForCausalLM(LlamaConfig(
-        **_COMMON, num_key_value_heads=2,
+        **TINY_CONFIG, num_key_value_heads=2,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_COMMON, num_key_value_heads=1, sliding_window=8,
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY_CONFIG, num_key_value_heads=1, sliding_window=8,
                                                          head_dim=16, rope_theta=1e6)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_COMMON, num_key_value_heads=2, rope_theta=1e6,
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG, num_key_value_heads=2, rope_theta=1e6,
                                                    tie_word_embeddings=True)),
 }
 

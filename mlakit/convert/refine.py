@@ -64,7 +64,8 @@ ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
 EXACT_LOSS = 1e-10
 _EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (calibration.BATCH_SIZE)
 # --refine layer: this module on the converted stream; --refine values: the joint value / o_proj
-# refit from moments on the source stream (refine_values.py)
+# refit from moments on the source stream (refine_values.py); values-per-head: the same head by head,
+# then o_proj (refine_heads.py)
 REFINE_METHODS = tuple(m for m in REFINE_MODES if m not in ("auto", "none"))
 
 
@@ -86,9 +87,9 @@ class RefineSettings:
     def __post_init__(self):
         if self.method not in REFINE_METHODS:
             raise ValueError(f"refine method {self.method!r} is not one of {', '.join(REFINE_METHODS)}")
-        if self.method == "values" and self.epochs:
-            raise ValueError("refine epochs (Adam steps) apply to --refine layer; --refine values is a closed-form "
-                             "refit: drop --refine-epochs or use --refine layer")
+        if self.method != "layer" and self.epochs:
+            raise ValueError(f"refine epochs (Adam steps) apply to --refine layer; --refine {self.method} is a "
+                             "closed-form refit: drop --refine-epochs or use --refine layer")
         if self.loss not in REFINE_LOSSES:
             raise ValueError(f"refine loss {self.loss!r} is not one of {', '.join(REFINE_LOSSES)}")
         if self.refit_o_proj and self.loss != "attention":
@@ -145,23 +146,35 @@ def _attention_value(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def keep_attention_output(block: nn.Module, seen: dict):
-    """A forward hook on BLOCK's attention that keeps the output of its latest call in SEEN["attention"];
-    returns the hook's handle (the caller removes it)."""
+def keep_attention_output(block: nn.Module, seen: dict, heads: bool = False):
+    """A forward hook on BLOCK's attention that keeps the output of its latest call in SEEN["attention"]
+    (with HEADS, the input of its o_proj: every head's own output, (B, T, H d)); returns the hook's handle
+    (the caller removes it)."""
+    if heads:
+        return block.self_attn.o_proj.register_forward_pre_hook(lambda o, args: seen.update(attention=args[0]))
     return block.self_attn.register_forward_hook(lambda attn, args, out: seen.update(attention=_attention_value(out)))
 
 
-def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+def attention_output(block: nn.Module, run: Callable, hidden: torch.Tensor, heads: bool = False) -> torch.Tensor:
     """What BLOCK's attention adds to the residual stream, self_attn(norm(hidden)), through
-    RUN(block, hidden). Works for the source's decoder layers and the converted ones alike (both
-    return (output, ...) from ``self_attn`` and add it to their input)."""
+    RUN(block, hidden); with HEADS, its o_proj's input instead. Works for the source's decoder layers and
+    the converted ones alike (both return (output, ...) from ``self_attn`` and add it to their input)."""
+    if heads:
+        seen = {}
+        handle = keep_attention_output(block, seen, heads=True)
+        try:
+            run_to_attention(block, run, hidden, lambda attn, args, out: None)
+        finally:
+            handle.remove()
+        return seen["attention"]
     return run_to_attention(block, run, hidden, lambda attn, args, out: _attention_value(out))
 
 
-def attention_and_output(block: nn.Module, run: Callable, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """BLOCK's attention output (as ``attention_output``) and the block's whole output, from one run."""
+def attention_and_output(block: nn.Module, run: Callable, hidden: torch.Tensor,
+                         heads: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """BLOCK's attention output (as ``attention_output``, HEADS too) and the block's whole output, from one run."""
     seen = {}
-    handle = keep_attention_output(block, seen)
+    handle = keep_attention_output(block, seen, heads)
     try:
         out = run(block, hidden)
     finally:

@@ -42,7 +42,7 @@ from .refit_moments import (
 # the largest block of attention scores ``latent_attention`` materialises at once (bytes)
 _SCORE_BYTES = 1 << 28
 
-__all__ = ["ValueMoments", "add_batch", "latent_attention", "latent_inputs", "refit_values"]
+__all__ = ["ValueMoments", "add_batch", "assign_values", "latent_attention", "latent_inputs", "refit_values", "value_weights"]
 
 
 class ValueMoments(FoldMoments):
@@ -111,12 +111,12 @@ def add_batch(
     if moments.start_loss is None:
         y = target.double()
         energy = float(y.square().sum())
-        error = float((a.double() @ effective_map(*_weights(block.self_attn)).T - y).square().sum())
+        error = float((a.double() @ effective_map(*value_weights(block.self_attn)).T - y).square().sum())
         moments.start_loss = error / energy if energy > 0 else error
     moments.add(a, target, first)
 
 
-def _weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
+def value_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
     """W_UV (H, d, r) and [W_O | b] (D, H d [+1]) of ATTN, float64."""
     H, d = attn.num_heads, attn.qk_nope_head_dim
     w_uv = attn.kv_b_proj.weight.detach().double().view(H, d + attn.v_head_dim, -1)[:, d:]
@@ -125,7 +125,7 @@ def _weights(attn) -> tuple[torch.Tensor, torch.Tensor]:
     return w_uv, (torch.cat([w_o, o.bias.detach().double()[:, None]], dim=1) if o.bias is not None else w_o)
 
 
-def _assign(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
+def assign_values(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
     """New parameters (not in-place writes: the layer may share storage with the tensors it was built from)."""
     H, d = attn.num_heads, attn.qk_nope_head_dim
     kv_b = attn.kv_b_proj.weight.detach().clone().view(H, d + attn.v_head_dim, -1)
@@ -145,7 +145,7 @@ def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | N
     ridge, so the walk is shorter from there."""
     start = time.time()
     attn = block.self_attn
-    w_uv, w_o = _weights(attn)
+    w_uv, w_o = value_weights(attn)
     folds, start_loss = moments.result(), moments.start_loss
     total = sum_folds(folds)
     bias = attn.o_proj.bias is not None
@@ -179,9 +179,9 @@ def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | N
     new_uv, new_o = fit_values(total, ridge, start_map, H, d, bias, rms)
     if loss(new_uv, new_o) >= before:
         return done("start", before, refit="skipped: no lower calibration loss than the closed form")
-    _assign(attn, new_uv, new_o)
-    after = loss(*_weights(attn))  # of the weights as stored (float32)
+    assign_values(attn, new_uv, new_o)
+    after = loss(*value_weights(attn))  # of the weights as stored (float32)
     if after >= before:  # rounding ate the gain: put the closed form back
-        _assign(attn, w_uv, w_o)
+        assign_values(attn, w_uv, w_o)
         return done("start", before, refit="skipped: no lower calibration loss after rounding")
     return done("values refit", after)

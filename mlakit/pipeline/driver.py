@@ -31,9 +31,11 @@ layer's attention output on the source stream, so it compensates the error the l
 left; the refined layer is the one written and the one the converted stream runs through.
 ``--refine values`` needs the source stream only: each converted layer's value maps and o_proj
 are refitted (``refine_values``) from moments of its attention-weighted latents on the source
-layer's own input, against the source attention's output on it. In a two-pass plan that refines,
-the statistics pass keeps each layer's source inputs and attention outputs on disk when they fit
-(``KEEP_INPUTS_SHARE``), so the convert pass does not run the source stream again.
+layer's own input, against the source attention's output on it; ``--refine values-per-head`` does
+the same head by head against each source head's own output, then o_proj (``refine_heads``). In a
+two-pass plan that refines, the statistics pass keeps each layer's source inputs and attention
+outputs (o_proj's inputs for the per-head refit) on disk when they fit (``KEEP_INPUTS_SHARE``), so
+the convert pass does not run the source stream again.
 
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -110,6 +112,10 @@ class LayerDriver(RefineSteps):
         self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
         if self.n_calib:
             self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size)
+            # the kept targets: the source attention's output, or for the per-head refit its o_proj input (H d wide)
+            self.head_targets = self.refining and setup.refine.method == "values-per-head"
+            width = setup.shape.num_heads * setup.shape.head_dim if self.head_targets else src.config.hidden_size
+            self.target_store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], width)
         self.verify = setup.opts.verify
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
@@ -124,7 +130,7 @@ class LayerDriver(RefineSteps):
         pass keeps the source inputs and targets (``kept_inputs``): a two-pass plan that refines, not
         sequential, with both fitting in ``KEEP_INPUTS_SHARE`` of the free disk."""
         c = self.c
-        need = c.n * (self.store.nbytes(self.n_calib) + self.store.nbytes(self.stream_rows)) if self.n_calib else 0
+        need = c.n * (self.store.nbytes(self.n_calib) + self.target_store.nbytes(self.stream_rows)) if self.n_calib else 0
         self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential
                                          and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
         self._embed((SOURCE,))
@@ -186,10 +192,10 @@ class LayerDriver(RefineSteps):
         handles = acc.attach() if acc is not None else []
         seen = {}
         if keep:
-            handles.append(keep_attention_output(layer, seen))
+            handles.append(keep_attention_output(layer, seen, heads=self.head_targets))
         try:
             with (self.store.writer(self._input_slot(i + 1, base)) if write else contextlib.nullcontext()) as sink, \
-                    (self.store.writer(kept_slot(i, "target")) if keep else contextlib.nullcontext()) as targets:
+                    (self.target_store.writer(kept_slot(i, "target")) if keep else contextlib.nullcontext()) as targets:
                 for s in range(0, rows, c.batch_size):
                     hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
@@ -353,7 +359,7 @@ class LayerDriver(RefineSteps):
                     self._commit(writer)
                     if st.get("kept_inputs"):
                         self.store.remove(kept_slot(i, "input"))
-                        self.store.remove(kept_slot(i, "target"))
+                        self.target_store.remove(kept_slot(i, "target"))
                     log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
                     bar.update()
             for name in layout.entries[writer.cursor.tensor :]:
@@ -385,6 +391,8 @@ class LayerDriver(RefineSteps):
                   "rope_freq_index": list(mla.freq_index)}
         if self.refining and c.refine.method == "values":
             record["refine"] = self._refit_values(i, tensors, mla, out, mla_layers)
+        elif self.refining and c.refine.method == "values-per-head":
+            record["refine"] = self._refit_per_head(i, tensors, mla, out, mla_layers)
         elif self.refining:
             record["refine"] = self._refine(i, tensors, mla, out, mla_layers)
         return out, record

@@ -1,10 +1,13 @@
 """The refinement steps of the layer driver (``driver.LayerDriver`` inherits them).
 
 After the closed form has built converted layer i, ``--refine values`` refits its value maps and
-o_proj from moments over the source stream (``_refit_values``) and ``--refine layer`` refits and
+o_proj jointly from moments over the source stream (``_refit_values``), ``--refine values-per-head``
+head by head and then o_proj, in two passes over it (``_refit_per_head``), and ``--refine layer`` refits and
 optionally trains it on the converted stream toward the source's targets (``_refine``). Both read
 the source layer's inputs, and the source attention's output on them, either from what the
 statistics pass of a two-pass plan kept on disk (``kept_slot`` slots) or from the source stream.
+The per-head refit's targets are the source attention's o_proj input (each head's own output), the
+others' its output (``heads`` of ``refine.attention_output``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from tqdm.auto import tqdm
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors
 from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
+from ..convert.refine_heads import refit_per_head
 from ..convert.refine_values import ValueMoments, add_batch, refit_values
 from .layer_runner import MLALayers
 
@@ -49,12 +53,13 @@ class RefineSteps:
             out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
 
     def _source_input(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sequences START .. STOP - 1 of source layer I's input and its attention's output, both kept by the
-        statistics pass; or the input from the source stream and None (the caller runs the source layer)."""
+        """Sequences START .. STOP - 1 of source layer I's input and its attention's output (o_proj's input for
+        the per-head refit), both kept by the statistics pass; or the input from the source stream and None
+        (the caller runs the source layer)."""
         c = self.c
         x = self.store.read(self._input_slot(i, SOURCE), start, stop).to(c.device)
         if self.state.get("kept_inputs"):
-            return x, self.store.read(kept_slot(i, "target"), start, stop).to(c.device)
+            return x, self.target_store.read(kept_slot(i, "target"), start, stop).to(c.device)
         return x, None
 
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
@@ -85,6 +90,35 @@ class RefineSteps:
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "sequences": n} | report
+
+    def _refit_per_head(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
+        """``--refine values-per-head`` on converted layer I (``refine_heads.refit_per_head``), in two passes over
+        the first sequences of the source stream: each reads layer I's source inputs and the source attention's
+        o_proj input on them, kept by the statistics pass or from a run of the source layer (the first run also
+        carries the source stream on to layer I + 1 where a two-pass plan needs it, as ``_refit_values``)."""
+        c = self.c
+        n, bs = c.refine.used(self.n_calib), c.batch_size
+        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)
+        block = self._float32_layer(i, tensors, mla, mla_layers)
+        passes = [c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1]
+
+        def batches():
+            advance = passes.pop() if passes else False
+            with self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
+                for s in range(0, n, bs):
+                    x, heads = self._source_input(i, s, min(s + bs, n))
+                    if sink is not None:
+                        heads, following = attention_and_output(src_layer, self.src_layers.run, x, heads=True)
+                        sink.write(following)
+                    elif heads is None:
+                        heads = attention_output(src_layer, self.src_layers.run, x, heads=True)
+                    yield s, x, heads
+
+        below = self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}  # layer i - 1's record
+        report = refit_per_head(block, mla_layers.run, batches, start_ridge=below.get("ridge"))
+        if report["kept"] == "values refit per head":
+            self._write_attention(i, block, out)
+        return {"method": "values-per-head", "sequences": n} | report
 
     def _refine(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """Refine converted layer I (float32, from MLA) on the first sequences of the converted stream

@@ -98,33 +98,41 @@ class ConversionSetup:
     """The resolved settings of converting SOURCE with OPTS (see the module docstring)."""
 
     def _resolve_refine(self, opts, shape, stream: StreamOptions):
-        """OPTS with ``--refine auto`` made concrete, and ``--refine values`` checked before any work: its
-        solve is joint over every head's latent, so its memory grows with (heads x rank)^2 and its work
-        with the cube. auto is values where the conversion compresses (a lossless one has nothing to
-        refit), that solve fits the memory and its arithmetic stays within ``REFIT_WORK_SHARE`` of the
-        layer's forward; else none (logged, and named in the saved recipe and report)."""
-        if opts.refine not in ("auto", "values"):
+        """OPTS with ``--refine auto`` made concrete, and a value refit asked for by name checked before any
+        work. The joint refit (values) solves over every head's latent at once, so its memory grows with
+        (heads x rank)^2 and its work with the cube; values-per-head fits head by head, then o_proj. auto is
+        values where the conversion compresses (a lossless one has nothing to refit), its solve fits the
+        memory and its arithmetic stays within ``REFIT_WORK_SHARE`` of the layer's forward; else
+        values-per-head on the same terms; else none. Each step down is logged, and the saved recipe and
+        report name the refit that ran."""
+        if opts.refine not in ("auto", "values", "values-per-head"):
             return opts
         if opts.refine == "auto" and not self.calibrated:
             return replace(opts, refine="none")
         rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
-        try:
-            check_values_refit(shape, rank, stream.max_memory)
-        except ValueError as exc:
-            if opts.refine == "values":
-                raise ConversionError(str(exc)) from exc
-            log.info("--refine auto: no value refit, the closed form only. %s", exc)
-            return replace(opts, refine="none")
-        values = replace(opts, refine="values")
-        refit_tokens = refine_settings(values).used(opts.calib_samples) * opts.calib_seq_len
-        work = values_refit_work(self.source.config, shape, rank, opts.calib_samples * opts.calib_seq_len, refit_tokens)
-        if opts.refine == "auto" and work > REFIT_WORK_SHARE:
-            log.info("--refine auto: no value refit, the closed form only. Its joint solve over %d heads at "
-                     "kv_lora_rank %d would take about %.1fx a layer's forward arithmetic over the calibration "
-                     "(the conversion's budget leaves about %.0fx); --refine values runs it anyway.",
-                     shape.num_heads, rank, work, REFIT_WORK_SHARE)
-            return replace(opts, refine="none")
-        return values
+        reasons = []
+        for method in ("values", "values-per-head") if opts.refine == "auto" else (opts.refine,):
+            try:
+                check_values_refit(shape, rank, stream.max_memory, method)
+            except ValueError as exc:
+                if opts.refine != "auto":
+                    raise ConversionError(str(exc)) from exc
+                reasons.append(str(exc))
+                continue
+            chosen = replace(opts, refine=method)
+            refit_tokens = refine_settings(chosen).used(opts.calib_samples) * opts.calib_seq_len
+            work = values_refit_work(self.source.config, shape, rank, self.rope_dim, opts.calib_seq_len,
+                                     opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
+            if opts.refine == "auto" and work > REFIT_WORK_SHARE:
+                reasons.append(f"--refine {method} over {shape.num_heads} heads at kv_lora_rank {rank} would take about "
+                               f"{work:.1f}x a layer's forward arithmetic over the calibration (the conversion's "
+                               f"budget leaves about {REFIT_WORK_SHARE:.0f}x); asked for by name, it runs anyway.")
+                continue
+            if reasons:
+                log.info("--refine auto: %s. %s", method, " ".join(reasons))
+            return chosen
+        log.info("--refine auto: no value refit, the closed form only. %s", " ".join(reasons))
+        return replace(opts, refine="none")
 
     def __init__(self, source, opts, stream: StreamOptions):
         self.source, self.stream = source, stream

@@ -118,49 +118,69 @@ def estimate_sweep_bytes(config, shape: AttentionShape, seq_len: int, sequences:
     return parts
 
 
-def values_refit_bytes(shape: AttentionShape, rank: int) -> int:
-    """Float64 bytes the ``--refine values`` solve of one layer holds at rank RANK: the second moments of the
-    p = H r (+1) attention-weighted latents in two folds and summed, and one p x p factorisation (the
-    (p, D) cross-moments beside them)."""
-    p = shape.num_heads * rank + 1
-    return _F64 * (4 * p * p + 3 * p * shape.hidden_size)
+def values_refit_bytes(shape: AttentionShape, rank: int, method: str = "values") -> int:
+    """Float64 bytes one layer's refit holds at rank RANK. values: the second moments of the p = H r (+1)
+    attention-weighted latents in two folds and summed, and one p x p factorisation (the (p, D)
+    cross-moments beside them). values-per-head: each head's (r + d)^2 moments in two folds and summed,
+    then the same for o_proj's input, p = H d (+1)."""
+    H, r, d, D = shape.num_heads, rank, shape.head_dim, shape.hidden_size
+    joint = lambda p: _F64 * (4 * p * p + 3 * p * D)  # noqa: E731
+    if method == "values-per-head":
+        return _F64 * 3 * H * (r * r + r * d + d * d) + joint(H * d + 1)
+    return joint(H * r + 1)
 
 
-# --refine auto runs the value refit only where its arithmetic stays within this share of the decoder
+# --refine auto runs a value refit only where its arithmetic stays within this share of the decoder
 # forward's over the same layer and tokens: the conversion's budget is 3x the bare forward (issue #19) and
 # the closed form takes about 2x (bench/results/convert_cost_closed.md), which leaves about 1x
 REFIT_WORK_SHARE = 1.0
-_REFIT_SOLVES = 9  # p x p factorisations of one layer's refit: about 4 ridges on each of 2 folds, the final fit
+_REFIT_SOLVES = 9  # factorisations of one layer's refit: about 4 ridges on each of 2 folds, the final fit
+_FLOAT64_COST = 2  # a float64 product's time in float32 ones (half the SIMD lanes): the solves are float64
 
 
-def values_refit_work(config, shape: AttentionShape, rank: int, tokens: int, refit_tokens: int) -> float:
-    """The ``--refine values`` arithmetic of one layer at RANK over REFIT_TOKENS tokens, relative to the decoder
-    layer's forward (its projections and MLP) over the TOKENS of the calibration: the moments of a (p^2 a token
-    for the half-work Gram of Sigma_aa, 2 p D for Sigma_ay) and the p x p solves (p^3 / 3 each), p = H r + 1.
-    It grows with p^2 per token and p^3 per layer where the forward grows with D^2: small at SmolLM2's
-    shape, above the forward at 7B shapes with a 512 latent. Float64 solves count like float32 products,
-    so the time share is larger than this ratio."""
-    p = shape.num_heads * rank + 1
-    D, d = shape.hidden_size, shape.head_dim
-    refit = refit_tokens * (p * p + 2 * p * D) + _REFIT_SOLVES * p**3 / 3
-    layer = 2 * D * d * (shape.num_heads + shape.num_kv_heads) + 3 * D * config.intermediate_size
-    return refit / (2 * tokens * layer)
+def values_refit_work(config, shape: AttentionShape, rank: int, rope_dim: int, seq_len: int, tokens: int,
+                      refit_tokens: int, method: str = "values") -> float:
+    """One layer's value-refit arithmetic at RANK and rotary dims ROPE_DIM over REFIT_TOKENS tokens (sequences
+    of SEQ_LEN), relative to the decoder layer's forward (its projections and MLP) over the TOKENS of the
+    calibration. Both refits read the attention-weighted latents (the converted queries, the latent, and
+    per head the absorbed scores over SEQ_LEN keys and their weighted latents): values once, then the
+    moments of a (p^2 a token for the half-work Gram of Sigma_aa, 2 p D for Sigma_ay, p = H r + 1) and
+    p x p solves (p^3 / 3 each), which grow with (H r)^2 and (H r)^3 where the forward grows with D^2.
+    values-per-head reads the latents twice, with per-head moments (H (r + d)^2 a token) and then o_proj's
+    ((H d)^2 + 2 H d D), whose solves are H r^3 / 3 and (H d)^3 / 3. The float64 solves count twice.
+    Data movement (reading the kept inputs, the softmax) is not counted, so the time share is larger than
+    this ratio."""
+    H, G, d, D, r = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size, rank
+    latents = D * (H * (d + rope_dim) + r + rope_dim) + H * d * r + H * seq_len * (2 * r + rope_dim)
+    if method == "values-per-head":
+        q = H * d + 1
+        per_token = 2 * latents + H * (r + d) ** 2 + q * q + 2 * q * D
+        solves = _FLOAT64_COST * _REFIT_SOLVES * (H * r**3 + q**3) / 3
+    else:
+        p = H * r + 1
+        per_token = latents + p * p + 2 * p * D
+        solves = _FLOAT64_COST * _REFIT_SOLVES * p**3 / 3
+    layer = 2 * D * d * (H + G) + 3 * D * config.intermediate_size
+    return (refit_tokens * per_token + solves) / (2 * tokens * layer)
 
 
-def check_values_refit(shape: AttentionShape, rank: int, max_memory: int | None) -> None:
-    """Refuse ``--refine values`` before any work when one layer's solve at RANK needs more than MAX_MEMORY
-    bytes (unset: half of this machine's physical memory): it is a joint solve over every head's latent."""
-    need = values_refit_bytes(shape, rank)
+def check_values_refit(shape: AttentionShape, rank: int, max_memory: int | None, method: str = "values") -> None:
+    """Refuse a value refit (METHOD) before any work when one layer's solve at RANK needs more than MAX_MEMORY
+    bytes (unset: half of this machine's physical memory). The joint one solves over every head's latent at once."""
+    need = values_refit_bytes(shape, rank, method)
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
         physical = 0
     limit, named = (max_memory, "--max-memory") if max_memory is not None else (physical // 2, "half of this machine's memory")
     if limit and need > limit:
+        what = (f"--refine values solves for all {shape.num_heads} heads' latents at once: at kv_lora_rank {rank} one "
+                f"layer's float64 moments" if method == "values" else
+                f"--refine {method} at kv_lora_rank {rank}: one layer's float64 moments")
+        fix = "--refine values-per-head (head by head), --refine layer" if method == "values" else "--refine layer"
         raise ValueError(
-            f"--refine values solves for all {shape.num_heads} heads' latents at once: at kv_lora_rank {rank} one "
-            f"layer's float64 moments take about {need / 2**30:.1f} GiB, more than {named} ({limit / 2**30:.1f} GiB). "
-            f"Use --refine layer (per-layer gradient refinement), or a smaller --kv-budget or --kv-lora-rank."
+            f"{what} take about {need / 2**30:.1f} GiB, more than {named} ({limit / 2**30:.1f} GiB). "
+            f"Use {fix} (per-layer gradient refinement), or a smaller --kv-budget or --kv-lora-rank."
         )
 
 
