@@ -118,8 +118,8 @@ def run_conversion(src: Path, out: Path, args) -> dict:
         str(args.calib_seq_len),
         "--pipeline",
         "streaming",
-        "--refine",  # the closed form, as its recorded results ran (auto keeps it at 7B shapes too)
-        "none",
+        "--refine",  # default none: the closed form, as the recorded results before 2026-12-04 ran
+        args.refine,
         "-q",
     ]
     if args.nice:
@@ -147,6 +147,7 @@ def main() -> None:
     ap.add_argument("--allocation", default="auto", help="--allocation of the conversion when --kv-budget is given")
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--calib-seq-len", type=int, default=128)
+    ap.add_argument("--refine", default="none", help="--refine of the conversion (auto: what the default picks)")
     ap.add_argument("--nice", type=int, default=5, help="niceness of the conversion (0 = off)")
     ap.add_argument("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY of the conversion")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/mlakit_scale_bench"))
@@ -181,6 +182,7 @@ def main() -> None:
             "self_reported_peak_rss_gb": round(rep["pipeline"]["peak_rss_bytes"] / 1e9, 3),
             "phase_seconds": rep["pipeline"].get("phase_seconds"),
             "allocation": rep["settings"]["allocation"],
+            "refine": rep["settings"]["refine"],
             "median_layer_s": round(sorted(per_layer)[len(per_layer) // 2], 1) if per_layer else None,
             "layer_seconds": per_layer,
             "calibration_batch": rep["pipeline"]["calibration_batch"],
@@ -208,6 +210,7 @@ def main() -> None:
             "calib": "random ids",
             "calib_samples": args.calib_samples,
             "calib_seq_len": args.calib_seq_len,
+            "refine": args.refine,
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -232,7 +235,8 @@ def main() -> None:
         "# Streaming conversion at scale",
         "",
         f"Random Llama checkpoints, hidden {args.hidden}, {args.heads} heads ({args.kv_heads} KV), intermediate "
-        f"{args.intermediate}, vocab {args.vocab}, {args.dtype}; converted at {target}, "
+        f"{args.intermediate}, vocab {args.vocab}, {args.dtype}; converted at {target} with --refine {args.refine} "
+        f"(ran: {rows[0]['refine']}), "
         f"calibration {args.calib_samples} x {args.calib_seq_len} random ids. Machine: {os.cpu_count()} CPU cores "
         f"shared with other jobs (conversion at niceness {child_nice}, OMP_WAIT_POLICY={args.omp_wait_policy}), "
         "so wall times are upper bounds; CPU s is the conversion process's own user + system time, and the "

@@ -134,7 +134,7 @@ class ConvertOptions:
             "--refine-epochs of Adam. values: each head's value map and o_proj jointly, by least squares from "
             "moments gathered on the source's own hidden states (no converted-stream forward). values-per-head: "
             "the same head by head, then o_proj (two passes; small moments at any model size). auto: values where "
-            "the conversion compresses and one layer's joint solve fits the memory limit and costs at most the "
+            "the conversion compresses and one layer's joint solve fits the memory limit and costs at most 1.5x the "
             "layer's calibration forward in arithmetic, else values-per-head on the same terms, else none (logged)."
         ),
     ] = "auto"

@@ -127,16 +127,15 @@ def test_auto_steps_down_to_the_per_head_refit_then_to_none(tiny_sources, tmp_pa
     """Where the joint refit's work passes its share of the forward but the per-head one's does not, auto is
     values-per-head (logged, with --refine values-per-head's bytes); where neither fits, the closed form."""
     src, setting = str(tiny_sources["llama_gqa"]), dict(kv_budget=0.4, allocation="uniform", **CALIB)
-    real = run_state.values_refit_work
-    monkeypatch.setattr(run_state, "values_refit_work",
-                        lambda *a: real(*a) * (100.0 if a[-1] == "values" else 1.0))
+    share = run_state.REFIT_WORK_SHARE  # stand-ins for a 7B shape's estimates: the joint refit's far over
+    monkeypatch.setattr(run_state, "values_refit_work", lambda *a: share * (10.0 if a[-1] == "values" else 0.5))
     caplog.set_level("INFO", logger="mlakit.pipeline.run_state")
     auto = convert(src, tmp_path / "auto", ConvertOptions(**setting))
     assert auto["settings"]["refine"] == "values-per-head"
     assert "--refine auto: values-per-head. --refine values over" in caplog.text
     convert(src, tmp_path / "named", ConvertOptions(**setting, refine="values-per-head"))
     assert_same_bytes(tmp_path / "auto", tmp_path / "named")
-    monkeypatch.setattr(run_state, "REFIT_WORK_SHARE", 0.0)
+    monkeypatch.setattr(run_state, "values_refit_work", lambda *a: share * 10.0)
     none = convert(src, tmp_path / "none", ConvertOptions(**setting))
     assert none["settings"]["refine"] == "none" and "no value refit, the closed form only" in caplog.text
 

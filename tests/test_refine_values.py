@@ -48,13 +48,17 @@ def _refit(block, run, x, y, batch: int = 5):
     return refit_values(block, moments)
 
 
-@pytest.mark.parametrize("score_bytes", [None, 1])
-def test_latents_reproduce_the_attention_output(tiny_sources, monkeypatch, score_bytes):
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])  # mistral: a sliding window of 8 keys
+@pytest.mark.parametrize("score_bytes,query_block", [(None, None), (1, None), (None, 5), (None, 10**6)])
+def test_latents_reproduce_the_attention_output(tiny_sources, monkeypatch, family, score_bytes, query_block):
     """o_h = W_UV_h a_h: the latents times each head's value map, through o_proj, are the attention's output;
-    also when the scores are taken one query at a time."""
+    also when the scores are taken one query at a time, in blocks that do not divide the sequence, or all
+    at once (every key)."""
     if score_bytes is not None:
         monkeypatch.setattr(refine_values, "_SCORE_BYTES", score_bytes)
-    block, run, x, _, _ = _case(tiny_sources, "qwen2", 8, 20)
+    if query_block is not None:
+        monkeypatch.setattr(refine_values, "_QUERY_BLOCK", query_block)
+    block, run, x, _, _ = _case(tiny_sources, family, 8, 20)
     attn = block.self_attn
     a = latent_inputs(block, run, x).detach()  # (N, T, H, r)
     H, d = attn.num_heads, attn.v_head_dim
@@ -64,6 +68,16 @@ def test_latents_reproduce_the_attention_output(tiny_sources, monkeypatch, score
     assert torch.allclose(attn.o_proj(z), want, atol=1e-5, rtol=1e-4), float(
         (attn.o_proj(z) - want).abs().max()
     )
+
+
+def test_key_span_covers_every_key_a_block_may_see():
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    assert refine_values.key_span(causal[..., 4:8, :]) == slice(0, 8)
+    window = causal & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)[None, None]  # the last 3 keys
+    assert refine_values.key_span(window[..., 4:8, :]) == slice(2, 8)
+    blind = causal.clone()
+    blind[..., 5, :] = False  # a row that sees nothing is uniform over every key, as in the model
+    assert refine_values.key_span(blind[..., 4:8, :]) == slice(None)
 
 
 def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):

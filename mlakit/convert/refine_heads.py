@@ -102,12 +102,15 @@ def _with_one(z: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridge: float | None = None) -> dict:
+def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridge: float | None = None,
+                   start_o_ridge: float | None = None) -> dict:
     """Refit converted decoder layer BLOCK's value maps (step 1) and o_proj (step 2) in place. BATCHES() yields
     (first sequence, x, o) over the calibration sequences: the source layer's input (B, T, D) and its
     attention's o_proj input (B, T, H d); it is called once per pass. RUN(block, hidden) runs a layer.
-    START_RIDGE: step 1's ridge in the layer below, where its walk starts. Returns the report: loss_before,
-    loss_after (relative to sum ||y||^2), kept, the ridges and their held-out losses, or why it was skipped."""
+    START_RIDGE, START_O_RIDGE: steps 1 and 2's ridges in the layer below, where their walks start (step 2's
+    fits at a 7B shape are p x p solves with D right-hand sides, p = H d: each one saved counts). Returns the
+    report: loss_before, loss_after (relative to sum ||y||^2), kept, the ridges and their held-out losses, or
+    why it was skipped."""
     start = time.time()
     attn = block.self_attn
     H, d = attn.num_heads, attn.v_head_dim
@@ -148,7 +151,8 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
         out.add(_with_one(z, bias), torch.nn.functional.linear(o.float(), weight, o_bias), first)
     folds = out.result()
     total = sum_folds(folds)
-    o_ridge, o_validation = choose_ridge(w_o0, folds, lambda f, r: ridge_solve(*folds[f][:2], r, w_o0), RIDGES)
+    o_ridge, o_validation = choose_ridge(w_o0, folds, lambda f, r: ridge_solve(*folds[f][:2], r, w_o0), RIDGES,
+                                         first=start_o_ridge)
     report |= {"o_proj_" + k: v for k, v in o_validation.items()}
     w_o = w_o0 if o_ridge is None else ridge_solve(total[0], total[1], o_ridge, w_o0)
     assign_values(attn, w_uv.double(), w_o)

@@ -115,7 +115,8 @@ class RefineSteps:
                     yield s, x, heads
 
         below = self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}  # layer i - 1's record
-        report = refit_per_head(block, mla_layers.run, batches, start_ridge=below.get("ridge"))
+        report = refit_per_head(block, mla_layers.run, batches, start_ridge=below.get("ridge"),
+                                start_o_ridge=below.get("o_proj_ridge"))
         if report["kept"] == "values refit per head":
             self._write_attention(i, block, out)
         return {"method": "values-per-head", "sequences": n} | report

@@ -125,8 +125,8 @@ class ConversionSetup:
                                      opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
             if opts.refine == "auto" and work > REFIT_WORK_SHARE:
                 reasons.append(f"--refine {method} over {shape.num_heads} heads at kv_lora_rank {rank} would take about "
-                               f"{work:.1f}x a layer's forward arithmetic over the calibration (the conversion's "
-                               f"budget leaves about {REFIT_WORK_SHARE:.0f}x); asked for by name, it runs anyway.")
+                               f"{work:.1f}x a layer's forward arithmetic over the calibration (the default allows "
+                               f"{REFIT_WORK_SHARE:g}x); asked for by name, it runs anyway.")
                 continue
             if reasons:
                 log.info("--refine auto: %s. %s", method, " ".join(reasons))
