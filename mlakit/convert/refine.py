@@ -51,7 +51,7 @@ from torch import nn
 
 from ..arch.names import MLA_ATTN_PROJ
 from ..choices import REFINE_MODES
-from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds
+from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds, with_one
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
            "attention_residual", "layer_loss", "refine_layer", "run_to_attention"]
@@ -222,10 +222,7 @@ def _o_proj_moments(block, run, inputs, targets):
         for s in range(0, inputs.shape[0], _EVAL_BATCH):
             x, y = inputs[s : s + _EVAL_BATCH], targets[s : s + _EVAL_BATCH]
             attention_residual(block, run, x)
-            z = seen["z"].double()
-            if o.bias is not None:
-                z = torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
-            moments.add(z, y - x, s)
+            moments.add(with_one(seen["z"].double(), o.bias is not None), y - x, s)
     finally:
         handle.remove()
     return moments.result()

@@ -30,7 +30,16 @@ from torch import nn
 
 from .refine import EXACT_LOSS
 from .refine_values import assign_values, latent_inputs, value_weights
-from .refit_moments import RIDGES, VALUE_RIDGES, FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds
+from .refit_moments import (
+    RIDGES,
+    VALUE_RIDGES,
+    FoldMoments,
+    choose_ridge,
+    loss_of,
+    ridge_solve,
+    sum_folds,
+    with_one,
+)
 
 __all__ = ["HeadMoments", "refit_per_head"]
 
@@ -97,10 +106,6 @@ def _fit_heads(moments: tuple, ridge: float, prior: torch.Tensor) -> torch.Tenso
     return solved.transpose(1, 2)
 
 
-def _with_one(z: torch.Tensor, bias: bool) -> torch.Tensor:
-    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1) if bias else z
-
-
 @torch.no_grad()
 def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridge: float | None = None,
                    start_o_ridge: float | None = None) -> dict:
@@ -116,7 +121,7 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
     H, d = attn.num_heads, attn.v_head_dim
     bias = attn.o_proj.bias is not None
     w_uv0, w_o0 = value_weights(attn)  # float64; w_o0 with the bias column
-    weight, o_bias = attn.o_proj.weight.detach().clone(), None if not bias else attn.o_proj.bias.detach().clone()
+    weight, o_bias = attn.o_proj.weight.detach(), None if not bias else attn.o_proj.bias.detach()  # replaced, not written
     moments = HeadMoments()
     for first, x, o in batches():  # pass 1: the per-head moments and the closed form's loss, directly
         a = latent_inputs(block, run, x).float()
@@ -144,18 +149,18 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
         return done("start", before, refit="skipped: no ridge beat the closed form on held-out sequences")
     assign_values(attn, _fit_heads(sum_folds(folds), ridge, w_uv0), w_o0)
 
-    w_uv = attn.kv_b_proj.weight.detach().view(H, attn.qk_nope_head_dim + d, -1)[:, attn.qk_nope_head_dim :]
+    w_uv = value_weights(attn)[0]  # as stored (float32), in float64
     out = FoldMoments(torch.float32)
     for first, x, o in batches():  # pass 2: moments of o_proj's new input against the source's output
         z = torch.einsum("bthr,hdr->bthd", latent_inputs(block, run, x).float(), w_uv.float()).flatten(2)
-        out.add(_with_one(z, bias), torch.nn.functional.linear(o.float(), weight, o_bias), first)
+        out.add(with_one(z, bias), torch.nn.functional.linear(o.float(), weight, o_bias), first)
     folds = out.result()
     total = sum_folds(folds)
     o_ridge, o_validation = choose_ridge(w_o0, folds, lambda f, r: ridge_solve(*folds[f][:2], r, w_o0), RIDGES,
                                          first=start_o_ridge)
     report |= {"o_proj_" + k: v for k, v in o_validation.items()}
     w_o = w_o0 if o_ridge is None else ridge_solve(total[0], total[1], o_ridge, w_o0)
-    assign_values(attn, w_uv.double(), w_o)
+    assign_values(attn, w_uv, w_o)
     after = loss_of(value_weights(attn)[1], *total)  # of the weights as stored (float32)
     if after >= before:  # no gain, or rounding ate it: put the closed form back
         assign_values(attn, w_uv0, w_o0)

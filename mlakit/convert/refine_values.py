@@ -37,6 +37,7 @@ from .refit_moments import (
     project_moments,
     sum_folds,
     values_error,
+    with_one,
 )
 
 # the largest block of attention scores ``latent_attention`` materialises at once (bytes), and the most
@@ -127,8 +128,7 @@ def add_batch(
     source attention's output on it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias)."""
     a = latent_inputs(block, run, hidden).float()
     a = a.reshape(*a.shape[:2], -1)  # (B, T, H r)
-    if block.self_attn.o_proj.bias is not None:
-        a = torch.cat([a, torch.ones(*a.shape[:-1], 1, dtype=a.dtype, device=a.device)], dim=-1)
+    a = with_one(a, block.self_attn.o_proj.bias is not None)
     if moments.start_loss is None:
         y = target.double()
         energy = float(y.square().sum())

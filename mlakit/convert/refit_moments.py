@@ -54,6 +54,7 @@ __all__ = [
     "ridge_solve",
     "sum_folds",
     "values_error",
+    "with_one",
 ]
 
 # ridges of the normal equations tried, relative to their mean diagonal (a log grid from "none" to
@@ -104,6 +105,11 @@ def _upper_gram(z: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 def _mirror(upper):
     """The symmetric matrix whose upper triangle UPPER holds (0.0, an empty fold, passes through)."""
     return upper.triu() + upper.triu(1).T if isinstance(upper, torch.Tensor) else upper
+
+
+def with_one(z: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Z (..., p) with a trailing column of ones when BIAS (a bias acts on it as one more input), else Z."""
+    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1) if bias else z
 
 
 def sum_folds(folds: list[Moments]) -> Moments:

@@ -69,52 +69,56 @@ class RefineSteps:
         In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``),
         or the source stream is still at layer I's input and the source run that gives the targets
         carries it on to layer I + 1 (the one-pass plans advanced it already)."""
-        c = self.c
-        n, bs = c.refine.used(self.n_calib), c.batch_size
+        n = self.c.refine.used(self.n_calib)
         src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
-        advance = c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
-        with torch.no_grad(), self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
-            for s in range(0, n, bs):
-                x, target = self._source_input(i, s, min(s + bs, n))
-                if sink is not None:
-                    target, following = attention_and_output(src_layer, self.src_layers.run, x)
-                    sink.write(following)
-                elif target is None:
-                    target = attention_output(src_layer, self.src_layers.run, x)
+        with torch.no_grad():
+            for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
-        below = self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}  # layer i - 1's record
-        report = refit_values(block, moments, start_ridge=below.get("ridge"))
+        report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"))
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "sequences": n} | report
+
+    def _advances(self, i: int) -> bool:
+        """Whether the source run that gives layer I's refit targets must also carry the source stream on to
+        layer I + 1: a two-pass plan whose statistics pass kept no inputs (the one-pass plans advanced it already)."""
+        c = self.c
+        return c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1
+
+    def _source_batches(self, i: int, n: int, src_layer, advance: bool, heads: bool = False):
+        """(first sequence, source input, target) over the first N calibration sequences of layer I, a batch at a
+        time: the targets kept by the statistics pass, or from SRC_LAYER run on the source stream (with ADVANCE,
+        that run's output is written as layer I + 1's input). The target is the source attention's output, or
+        with HEADS its o_proj input."""
+        bs = self.c.batch_size
+        with self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
+            for s in range(0, n, bs):
+                x, target = self._source_input(i, s, min(s + bs, n))
+                if sink is not None:
+                    target, following = attention_and_output(src_layer, self.src_layers.run, x, heads=heads)
+                    sink.write(following)
+                elif target is None:
+                    target = attention_output(src_layer, self.src_layers.run, x, heads=heads)
+                yield s, x, target
+
+    def _refine_below(self) -> dict:
+        """The refinement record of the layer converted before this one (empty for the first)."""
+        return self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}
 
     def _refit_per_head(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values-per-head`` on converted layer I (``refine_heads.refit_per_head``), in two passes over
         the first sequences of the source stream: each reads layer I's source inputs and the source attention's
         o_proj input on them, kept by the statistics pass or from a run of the source layer (the first run also
         carries the source stream on to layer I + 1 where a two-pass plan needs it, as ``_refit_values``)."""
-        c = self.c
-        n, bs = c.refine.used(self.n_calib), c.batch_size
+        n = self.c.refine.used(self.n_calib)
         src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)
         block = self._float32_layer(i, tensors, mla, mla_layers)
-        passes = [c.two_pass and not self.sequential and not self.state.get("kept_inputs") and i < c.n - 1]
-
-        def batches():
-            advance = passes.pop() if passes else False
-            with self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
-                for s in range(0, n, bs):
-                    x, heads = self._source_input(i, s, min(s + bs, n))
-                    if sink is not None:
-                        heads, following = attention_and_output(src_layer, self.src_layers.run, x, heads=True)
-                        sink.write(following)
-                    elif heads is None:
-                        heads = attention_output(src_layer, self.src_layers.run, x, heads=True)
-                    yield s, x, heads
-
-        below = self.state["layers"][-1].get("refine", {}) if self.state["layers"] else {}  # layer i - 1's record
+        passes = [self._advances(i)]  # only the first pass carries the source stream on
+        batches = lambda: self._source_batches(i, n, src_layer, passes.pop() if passes else False, heads=True)  # noqa: E731
+        below = self._refine_below()
         report = refit_per_head(block, mla_layers.run, batches, start_ridge=below.get("ridge"),
                                 start_o_ridge=below.get("o_proj_ridge"))
         if report["kept"] == "values refit per head":
