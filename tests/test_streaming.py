@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -93,6 +95,26 @@ def test_in_memory_and_streaming_write_identical_bytes(tiny_sources, tmp_path, f
     names = {p.name for p in (tmp_path / "stream").iterdir()}
     assert names == {p.name for p in (tmp_path / "mem").iterdir()}
     assert not list(tmp_path.glob(".stream.partial-*")) and not list(tmp_path.glob(".mem.partial-*"))
+
+
+def test_only_a_resumable_work_directory_is_synced_as_it_goes(tiny_sources, tmp_path, monkeypatch):
+    """The streaming work directory syncs its hidden states and state before each commit (a resume reads
+    them after a crash); the in-memory run's scratch directory, which nothing resumes from, syncs only
+    the finished shards it publishes."""
+    synced = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    opts = ConvertOptions(**SETTINGS["fisher"], **CALIB, refine="values")
+    convert(str(tiny_sources["llama_gqa"]), tmp_path / "mem", opts)
+    assert synced and all(name.endswith(".safetensors") for name in synced), synced
+    synced.clear()
+    convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "stream", opts)
+    assert any(name.startswith("hidden-") for name in synced) and "state.json.tmp" in synced, synced
 
 
 def test_default_allocation_is_the_same_for_every_source(tiny_sources, tmp_path):

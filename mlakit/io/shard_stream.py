@@ -98,10 +98,13 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
 
 
 class ShardStreamWriter:
-    """Append tensors in LAYOUT order to the shard files in DIRECTORY, from CURSOR on."""
+    """Append tensors in LAYOUT order to the shard files in DIRECTORY, from CURSOR on. DURABLE: ``sync``
+    forces the written bytes to disk (a resumable work directory's commit needs them there); the
+    finished shards are synced either way."""
 
-    def __init__(self, layout: ShardLayout, directory: Path, cursor: Cursor | None = None):
+    def __init__(self, layout: ShardLayout, directory: Path, cursor: Cursor | None = None, durable: bool = True):
         self.layout, self.directory = layout, Path(directory)
+        self.durable = durable
         self.cursor = cursor or Cursor()
         self._file = None
         self._reopen()
@@ -166,21 +169,24 @@ class ShardStreamWriter:
 
     def _finish_shard(self) -> None:
         if self._file is not None:
-            self.sync()
+            self._sync_file()
             self._file.close()
             self._file = None
         self.cursor.shard += 1
         self.cursor.offset = 0
 
     def sync(self) -> None:
-        """Flush written bytes to disk (call before committing the cursor)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        """Flush written bytes to disk when durable (call before committing the cursor)."""
+        if self._file is not None and self.durable:
+            self._sync_file()
+
+    def _sync_file(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:
-            self.sync()
+            self._sync_file()
             self._file.close()
             self._file = None
 

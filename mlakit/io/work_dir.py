@@ -9,6 +9,11 @@ per layer instead of the two in turn, and each layer's attention outputs, remove
 pass finishes the layer). Every file a commit points
 to is complete before ``state.json`` is replaced (write to a temporary name, fsync, rename). The
 finished checkpoint is renamed to OUT; the resume-only files are removed first.
+
+A work directory nothing resumes from (the in-memory pipeline's scratch directory, removed when
+its run fails) is not ``durable``: its files are written without fsync. Only a machine crash would
+need them on disk, and such a run starts over anyway; a sync waits for the disk's write-back of
+every kept hidden state, which a write to the page cache does not.
 """
 
 from __future__ import annotations
@@ -34,18 +39,23 @@ def work_dir_for(out: Path) -> Path:
     return out.parent / f".{out.name}.partial-streaming"
 
 
-def _replace_atomically(path: Path, write) -> None:
+def _replace_atomically(path: Path, write, durable: bool = True) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 class WorkDir:
-    def __init__(self, path: Path):
+    """PATH, the work directory; DURABLE: whether its files are synced to disk before a commit points to
+    them (module docstring)."""
+
+    def __init__(self, path: Path, durable: bool = True):
         self.path = Path(path)
+        self.durable = durable
 
     def state(self) -> dict | None:
         path = self.path / "state.json"
@@ -53,10 +63,10 @@ class WorkDir:
 
     def commit(self, state: dict) -> None:
         text = json.dumps(state, indent=1, allow_nan=False)
-        _replace_atomically(self.path / "state.json", lambda f: f.write(text.encode()))
+        _replace_atomically(self.path / "state.json", lambda f: f.write(text.encode()), self.durable)
 
     def save_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        _replace_atomically(self.path / name, lambda f: torch.save(tensors, f))
+        _replace_atomically(self.path / name, lambda f: torch.save(tensors, f), self.durable)
 
     def load_tensors(self, name: str) -> dict[str, torch.Tensor]:
         return torch.load(self.path / name, map_location="cpu", weights_only=True)
@@ -70,10 +80,12 @@ class WorkDir:
 class HiddenStore:
     """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn,
     or one per layer where the source stream's inputs are kept, and the kept targets), read and
-    written by row ranges with plain file IO (no memory map, so they never count toward RSS)."""
+    written by row ranges with plain file IO (no memory map, so they never count toward RSS).
+    DURABLE: a closed file is synced to disk (``WorkDir.durable``)."""
 
-    def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int):
+    def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int, durable: bool = True):
         self.directory = Path(directory)
+        self.durable = durable
         self.shape = (n_seq, seq_len, hidden)
         self._row_bytes = seq_len * hidden * 4
 
@@ -94,13 +106,14 @@ class HiddenStore:
         return torch.from_numpy(data).view(stop - start, *self.shape[1:])
 
     def writer(self, slot: int | str):
-        """A file to append (B, L, D) chunks to, in row order; closing syncs it."""
-        return _ChunkWriter(self.path(slot))
+        """A file to append (B, L, D) chunks to, in row order; closing syncs it when the store is durable."""
+        return _ChunkWriter(self.path(slot), self.durable)
 
 
 class _ChunkWriter:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, durable: bool):
         self._file = open(path, "wb")  # noqa: SIM115 - closed in __exit__
+        self._durable = durable
 
     def write(self, chunk: torch.Tensor) -> None:
         self._file.write(memoryview(chunk.detach().float().contiguous().cpu().numpy()))
@@ -110,7 +123,8 @@ class _ChunkWriter:
 
     def __exit__(self, *exc):
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._durable:
+            os.fsync(self._file.fileno())
         self._file.close()
 
 

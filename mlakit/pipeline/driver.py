@@ -111,11 +111,13 @@ class LayerDriver(RefineSteps):
         # stream) must carry: all for sequential statistics, else only those refinement reads
         self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
         if self.n_calib:
-            self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size)
+            self.store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], src.config.hidden_size,
+                                     durable=work.durable)
             # the kept targets: the source attention's output, or for the per-head refit its o_proj input (H d wide)
             self.head_targets = self.refining and setup.refine.method == "values-per-head"
             width = setup.shape.num_heads * setup.shape.head_dim if self.head_targets else src.config.hidden_size
-            self.target_store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], width)
+            self.target_store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], width,
+                                            durable=work.durable)
         self.verify = setup.opts.verify
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
@@ -333,7 +335,8 @@ class LayerDriver(RefineSteps):
         if (self.two_streams or self.refining) and not st["layers"]:  # the streams start from the embeddings
             # (a statistics pass left the source slots at the last layer's hidden states; kept inputs need none)
             self._embed(((CONVERTED,) if self.two_streams else ()) + (() if st.get("kept_inputs") else (SOURCE,)))
-        writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None)
+        writer = ShardStreamWriter(layout, self.work.path, Cursor(**st["cursor"]) if "cursor" in st else None,
+                                   durable=self.work.durable)
         try:
             with self._progress("converting layers", len(st["layers"])) as bar:
                 for i in range(len(st["layers"]), c.n):

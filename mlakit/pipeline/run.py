@@ -114,7 +114,7 @@ def _run(claim, src: str, opts, stream: StreamOptions, pipeline: str, recipe, pr
         work = WorkDir(work_dir_for(claim.out))
         state = open_work_dir(work, setup.fingerprint(), stream.resume)
     else:
-        work, state = WorkDir(claim.scratch()), {"layers": []}
+        work, state = WorkDir(claim.scratch(), durable=False), {"layers": []}  # nothing resumes from it
     resumed_from = len(state["layers"])
     if setup.ranks is not None:
         state.setdefault("ranks", setup.ranks)
