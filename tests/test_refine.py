@@ -157,3 +157,22 @@ def test_refit_needs_two_sequences_to_validate(tiny_sources):
     assert report["refit"].startswith("skipped") and report["kept"] == "start", report
     for k, v in block.state_dict().items():
         assert torch.equal(v, start[k]), k
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "mistral"])
+def test_source_layer_masks_work_with_the_older_mask_signature(tiny_sources, family, monkeypatch):
+    """transformers 5.x before 5.25 names the mask helpers' cache argument past_key_values, later ones
+    cache: the source layers' mask must be built under either (a conversion under 5.17 failed on it)."""
+    from transformers import masking_utils
+
+    source = open_source(str(tiny_sources[family]))
+    want = SourceLayers(source.config, attention_shape(source.config).window).inputs(2, 12)[0]
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        real = getattr(masking_utils, name)
+
+        def older(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, real=real):
+            return real(config, inputs_embeds, attention_mask, past_key_values, position_ids=position_ids)
+
+        monkeypatch.setattr(masking_utils, name, older)
+    got = SourceLayers(source.config, attention_shape(source.config).window).inputs(2, 12)[0]
+    assert (got is None and want is None) or torch.equal(got, want)

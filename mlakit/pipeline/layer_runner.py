@@ -56,13 +56,9 @@ class SourceLayers:
         probe = torch.empty(batch, seq_len, self.config.hidden_size, device=self.device)
         position_ids = torch.arange(seq_len, device=self.device)[None]
         make_mask = create_causal_mask if self.window is None else create_sliding_window_causal_mask
-        mask = make_mask(
-            config=self.config,
-            inputs_embeds=probe,
-            attention_mask=None,
-            cache=None,
-            position_ids=position_ids,
-        )
+        # no cache, passed by position: transformers 5.x before 5.25 names that argument past_key_values, later
+        # ones cache (a keyword fails on one or the other: a conversion under transformers 5.17 broke on it)
+        mask = make_mask(self.config, probe, None, None, position_ids=position_ids)
         return mask, self.rotary(probe, position_ids)
 
     def layer(self, index: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
