@@ -55,6 +55,9 @@ ROWS = {
         {"refine": "values", "refine_sequences": 64}, False),
     # what --refine auto runs where the joint solve is too large (7B shapes)
     "+ per-head value refit (--refine values-per-head)": ({"refine": "values-per-head"}, False),
+    # the same rank in every layer: one pass over the calibration set (no statistics pass, no sensitivity sweep)
+    "+ value refit, uniform ranks (--refine values --allocation uniform)": (
+        {"refine": "values", "allocation": "uniform"}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {
