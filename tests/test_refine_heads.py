@@ -12,7 +12,7 @@ import yaml
 
 from mlakit.convert.refine import attention_output
 from mlakit.convert.refine_heads import refit_per_head
-from mlakit.pipeline import driver, run_state
+from mlakit.pipeline import driver, refine_steps, run_state
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
 from tests.convert_helpers import assert_same_bytes, fast_args, layer_records, run
 from tests.test_refine import layer_case, state_copy
@@ -75,14 +75,23 @@ def test_refit_needs_two_sequences_to_validate(tiny_sources):
 
 # -- in the driver ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("refine", ["values", "values-per-head"])
 @pytest.mark.parametrize("allocation", ["fisher", "uniform"])
-def test_kept_inputs_and_a_second_source_run_give_the_same_bytes(tiny_sources, tmp_path, monkeypatch, allocation):
-    """The targets kept by the statistics pass (o_proj's input) and those of a source run in the convert
-    pass (two-pass without disk to spare; one-pass plans) are the same: so are the checkpoints."""
-    opts = ConvertOptions(kv_budget=0.4, allocation=allocation, **CALIB, refine="values-per-head")
+def test_kept_targets_and_a_second_source_run_give_the_same_bytes(tiny_sources, tmp_path, monkeypatch, allocation,
+                                                                   refine):
+    """The targets kept by the source run before the refit (the statistics pass of a two-pass plan, the
+    convert pass's own run in a one-pass plan) and those of a second run of the source attention (no disk
+    to spare) are the same: so are the checkpoints."""
+    reruns = []
+    for name in ("attention_output", "attention_and_output"):
+        real = getattr(refine_steps, name)
+        monkeypatch.setattr(refine_steps, name, lambda *a, real=real, **k: reruns.append(1) or real(*a, **k))
+    opts = ConvertOptions(kv_budget=0.4, allocation=allocation, **CALIB, refine=refine)
     kept = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "kept", opts)
+    assert not reruns  # every layer's targets came from the run before
     monkeypatch.setattr(driver, "KEEP_INPUTS_SHARE", 0.0)
     again = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "again", opts)
+    assert reruns
     assert_same_bytes(tmp_path / "kept", tmp_path / "again")
     assert layer_records(kept) == layer_records(again)
     assert not list((tmp_path / "kept").glob("hidden-*"))

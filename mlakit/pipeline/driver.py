@@ -35,7 +35,8 @@ layer's own input, against the source attention's output on it; ``--refine value
 the same head by head against each source head's own output, then o_proj (``refine_heads``). In a
 two-pass plan that refines, the statistics pass keeps each layer's source inputs and attention
 outputs (o_proj's inputs for the per-head refit) on disk when they fit (``KEEP_INPUTS_SHARE``), so
-the convert pass does not run the source stream again.
+the convert pass does not run the source stream again; in a one-pass plan that refines, the source
+run each layer's statistics come from keeps that layer's targets for the refinement right after it.
 
 Verification is layer-wise too: 32 fixed tokens (``verify.verify_token_ids``) run through every
 source layer and every converted layer (weights cast to the output dtype, as a reload would
@@ -118,6 +119,12 @@ class LayerDriver(RefineSteps):
             width = setup.shape.num_heads * setup.shape.head_dim if self.head_targets else src.config.hidden_size
             self.target_store = HiddenStore(work.path, self.n_calib, setup.calib_ids.shape[1], width,
                                             durable=work.durable)
+        # a one-pass plan that refines keeps each layer's targets from the source run its statistics come
+        # from, for the refinement right after it, instead of running the source attention again (when one
+        # layer's fit in KEEP_INPUTS_SHARE of the free disk; the bytes written are the same either way)
+        self.one_pass_keeps = bool(self.refining and not setup.two_pass and not self.sequential
+                                   and self.target_store.nbytes(self.stream_rows)
+                                   <= KEEP_INPUTS_SHARE * shutil.disk_usage(work.path).free)
         self.verify = setup.opts.verify
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
@@ -351,7 +358,7 @@ class LayerDriver(RefineSteps):
                             self._advance_source(i, tensors)  # the source stream carries the targets
                             # (--refine values advances it itself)
                     else:
-                        stats = self._source_layer(i, tensors)
+                        stats = self._source_layer(i, tensors, keep=self.stream_rows if self.one_pass_keeps else 0)
                     out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)
                     del tensors, stats
                     for name in self.per_layer[i]:
@@ -362,6 +369,7 @@ class LayerDriver(RefineSteps):
                     self._commit(writer)
                     if st.get("kept_inputs"):
                         self.store.remove(kept_slot(i, "input"))
+                    if self._targets_kept():
                         self.target_store.remove(kept_slot(i, "target"))
                     log.info("layer %d/%d converted in %.1f s", i + 1, c.n, time.time() - tick)
                     bar.update()

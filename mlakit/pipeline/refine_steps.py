@@ -52,13 +52,18 @@ class RefineSteps:
         for name, t in block.self_attn.state_dict().items():
             out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
 
+    def _targets_kept(self) -> bool:
+        """Whether the source run before the refinement kept the layer's targets: the statistics pass of a
+        two-pass plan (with the inputs, ``kept_inputs``), or the convert pass's own run in a one-pass plan."""
+        return bool(self.state.get("kept_inputs") or self.one_pass_keeps)
+
     def _source_input(self, i: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequences START .. STOP - 1 of source layer I's input and its attention's output (o_proj's input for
-        the per-head refit), both kept by the statistics pass; or the input from the source stream and None
-        (the caller runs the source layer)."""
+        the per-head refit), the latter kept by the source run before (``_targets_kept``); or the input from
+        the source stream and None (the caller runs the source layer)."""
         c = self.c
         x = self.store.read(self._input_slot(i, SOURCE), start, stop).to(c.device)
-        if self.state.get("kept_inputs"):
+        if self._targets_kept():
             return x, self.target_store.read(kept_slot(i, "target"), start, stop).to(c.device)
         return x, None
 
@@ -70,7 +75,7 @@ class RefineSteps:
         or the source stream is still at layer I's input and the source run that gives the targets
         carries it on to layer I + 1 (the one-pass plans advanced it already)."""
         n = self.c.refine.used(self.n_calib)
-        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
+        src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
         with torch.no_grad():
@@ -114,7 +119,7 @@ class RefineSteps:
         o_proj input on them, kept by the statistics pass or from a run of the source layer (the first run also
         carries the source stream on to layer I + 1 where a two-pass plan needs it, as ``_refit_values``)."""
         n = self.c.refine.used(self.n_calib)
-        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)
+        src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)
         block = self._float32_layer(i, tensors, mla, mla_layers)
         passes = [self._advances(i)]  # only the first pass carries the source stream on
         batches = lambda: self._source_batches(i, n, src_layer, passes.pop() if passes else False, heads=True)  # noqa: E731
@@ -131,7 +136,7 @@ class RefineSteps:
         weights, they replace the attention tensors in OUT (output dtype). Returns the report entry."""
         c, settings = self.c, self.c.refine
         n, bs = settings.used(self.n_calib), c.batch_size
-        src_layer = None if self.state.get("kept_inputs") else self.src_layers.layer(i, tensors)  # kept: unused
+        src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)  # kept: unused
         with torch.no_grad():
             targets = []
             for s in range(0, n, bs):
