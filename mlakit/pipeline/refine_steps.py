@@ -4,8 +4,9 @@ After the closed form has built converted layer i, ``--refine values`` refits it
 o_proj jointly from moments over the source stream (``_refit_values``), ``--refine values-per-head``
 head by head and then o_proj, in two passes over it (``_refit_per_head``), and ``--refine layer`` refits and
 optionally trains it on the converted stream toward the source's targets (``_refine``). Both read
-the source layer's inputs, and the source attention's output on them, either from what the
-statistics pass of a two-pass plan kept on disk (``kept_slot`` slots) or from the source stream.
+the source layer's inputs, and the source attention's output on them, either from what the source
+run before kept on disk (``kept_slot`` slots: the statistics pass of a two-pass plan, or the convert
+pass's own run in a one-pass plan) or from the source stream.
 The per-head refit's targets are the source attention's o_proj input (each head's own output), the
 others' its output (``heads`` of ``refine.attention_output``).
 """
@@ -71,9 +72,9 @@ class RefineSteps:
         """``--refine values`` on converted layer I: moments of its latents and of the source attention's
         output over the first sequences of the source stream, then ``refit_values``; when the refit was
         kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
-        In a two-pass plan the statistics pass kept layer I's inputs and targets (``KEEP_INPUTS_SHARE``),
-        or the source stream is still at layer I's input and the source run that gives the targets
-        carries it on to layer I + 1 (the one-pass plans advanced it already)."""
+        The targets were kept by the source run before (``_targets_kept``), or the source stream is still at
+        layer I's input and the source run that gives the targets carries it on to layer I + 1 (a one-pass plan
+        advanced it already)."""
         n = self.c.refine.used(self.n_calib)
         src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
@@ -116,8 +117,9 @@ class RefineSteps:
     def _refit_per_head(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
         """``--refine values-per-head`` on converted layer I (``refine_heads.refit_per_head``), in two passes over
         the first sequences of the source stream: each reads layer I's source inputs and the source attention's
-        o_proj input on them, kept by the statistics pass or from a run of the source layer (the first run also
-        carries the source stream on to layer I + 1 where a two-pass plan needs it, as ``_refit_values``)."""
+        o_proj input on them, kept by the source run before (``_targets_kept``) or from a run of the source
+        layer (the first run also carries the source stream on to layer I + 1 where a two-pass plan needs it,
+        as ``_refit_values``)."""
         n = self.c.refine.used(self.n_calib)
         src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)
         block = self._float32_layer(i, tensors, mla, mla_layers)
