@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
@@ -37,6 +38,19 @@ CPU_GPU_RTOL = 1e-2  # of the logits' spread: the refit's float64 solves round d
 def _logits(model, ids):
     with torch.no_grad():
         return model(ids).logits.double()
+
+
+def _full_rank(src_dir: Path, root: Path, family: str, ids) -> bool:
+    """The full-rank conversion on the GPU against the source's logits."""
+    source = _logits(AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32).eval(), ids)
+    tick = time.time()
+    convert(str(src_dir), root, ConvertOptions(device="cuda", **CALIB))
+    seconds = time.time() - tick
+    err = float((_logits(load_converted(root), ids) - source).abs().max())
+    ok = err <= FULL_RANK_ATOL
+    print(f"{family:14s} full rank on cuda: max |dlogit| {err:.2e} (bound {FULL_RANK_ATOL}) "
+          f"{'ok' if ok else 'FAILED'} ({seconds:.1f} s)")
+    return ok
 
 
 def _compare(src_dir: Path, root: Path, family: str, refine: str, ids) -> bool:
@@ -68,17 +82,7 @@ def main() -> int:
         for family in sorted(FAMILY_BUILDERS):
             torch.manual_seed(0)
             src_dir = save_tiny_source(family, Path(tmp) / family / "src")
-            from transformers import AutoModelForCausalLM
-
-            source = _logits(AutoModelForCausalLM.from_pretrained(str(src_dir), dtype=torch.float32).eval(), ids)
-            tick = time.time()
-            convert(str(src_dir), Path(tmp) / family / "full", ConvertOptions(device="cuda", **CALIB))
-            full_s = time.time() - tick
-            err = float((_logits(load_converted(Path(tmp) / family / "full"), ids) - source).abs().max())
-            ok = err <= FULL_RANK_ATOL
-            failures += not ok
-            print(f"{family:14s} full rank on cuda: max |dlogit| {err:.2e} (bound {FULL_RANK_ATOL}) "
-                  f"{'ok' if ok else 'FAILED'} ({full_s:.1f} s)")
+            failures += not _full_rank(src_dir, Path(tmp) / family / "full", family, ids)
             for refine in REFITS:
                 failures += not _compare(src_dir, Path(tmp) / family / refine, family, refine, ids)
     print(f"{failures} check(s) failed")

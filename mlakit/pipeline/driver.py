@@ -123,8 +123,7 @@ class LayerDriver(RefineSteps):
         # from, for the refinement right after it, instead of running the source attention again (when one
         # layer's fit in KEEP_INPUTS_SHARE of the free disk; the bytes written are the same either way)
         self.one_pass_keeps = bool(self.refining and not setup.two_pass and not self.sequential
-                                   and self.target_store.nbytes(self.stream_rows)
-                                   <= KEEP_INPUTS_SHARE * shutil.disk_usage(work.path).free)
+                                   and self._disk_allows(self.target_store.nbytes(self.stream_rows)))
         self.verify = setup.opts.verify
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
@@ -134,14 +133,17 @@ class LayerDriver(RefineSteps):
 
     # -- state ------------------------------------------------------------------------------------
 
+    def _disk_allows(self, nbytes: int) -> bool:
+        """Whether NBYTES of kept hidden states fit in ``KEEP_INPUTS_SHARE`` of the work directory's free disk."""
+        return nbytes <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free
+
     def _start(self) -> None:
         """Embed the calibration and verification tokens: layer 0's inputs. Decide whether the statistics
         pass keeps the source inputs and targets (``kept_inputs``): a two-pass plan that refines, not
         sequential, with both fitting in ``KEEP_INPUTS_SHARE`` of the free disk."""
         c = self.c
         need = c.n * (self.store.nbytes(self.n_calib) + self.target_store.nbytes(self.stream_rows)) if self.n_calib else 0
-        self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential
-                                         and need <= KEEP_INPUTS_SHARE * shutil.disk_usage(self.work.path).free)
+        self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential and self._disk_allows(need))
         self._embed((SOURCE,))
         self.verify_src = self.verify_mla = None
         if self.verify:

@@ -96,9 +96,9 @@ class RefineSteps:
 
     def _source_batches(self, i: int, n: int, src_layer, advance: bool, heads: bool = False):
         """(first sequence, source input, target) over the first N calibration sequences of layer I, a batch at a
-        time: the targets kept by the statistics pass, or from SRC_LAYER run on the source stream (with ADVANCE,
-        that run's output is written as layer I + 1's input). The target is the source attention's output, or
-        with HEADS its o_proj input."""
+        time: the targets kept by the source run before (``_targets_kept``), or from SRC_LAYER run on the source
+        stream (with ADVANCE, that run's output is written as layer I + 1's input). The target is the source
+        attention's output, or with HEADS its o_proj input."""
         bs = self.c.batch_size
         with self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
