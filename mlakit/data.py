@@ -29,6 +29,7 @@ __all__ = [
     "ROLES",
     "builtin_topic_split",
     "calibration_batches",
+    "split_mix",
     "load_text",
     "parse_hf",
     "tokenize_text",
@@ -187,17 +188,52 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def split_mix(spec: str) -> list[str]:
+    """The text SPECs of a calibration mix ``SPEC[,SPEC...]``: one entry for a single spec, and for a
+    path that exists as written even when its name holds a comma."""
+    if "," not in spec or Path(spec).expanduser().exists():
+        return [spec]
+    parts = [part.strip() for part in spec.split(",")]
+    if any(not part for part in parts):
+        raise DataSpecError(
+            f"calibration mix {spec!r} has an empty entry; {ALLOWED_FORMS}. "
+            "Fix: separate the specs with single commas, e.g. 'builtin,notes.txt'."
+        )
+    return parts
+
+
 def calibration_batches(
     tokenizer, spec: str, n_samples: int, seq_len: int, seed: int, flag: str = "--data"
 ) -> torch.Tensor:
     """``n_samples`` windows of ``seq_len`` token ids drawn at seeded random offsets.
 
-    Returns a LongTensor of shape (n_samples, seq_len). Windows are distinct offsets while
-    the text has enough of them, and may overlap. The same arguments give the same tensor.
+    SPEC may be a mix, ``SPEC[,SPEC...]``: the windows are then shared out equally among its texts
+    (the first ones take the remainder), whatever their lengths, so a short text of the kind a
+    model will serve weighs as much as a long general one, and they follow each other in turns.
+    Every text is read and checked before any is tokenized. Returns a LongTensor of shape (n_samples, seq_len). Windows are distinct
+    offsets while a text has enough of them, and may overlap. The same arguments give the same tensor.
     """
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be >= 1, got n_samples={n_samples}, seq_len={seq_len}")
-    ids = tokenize_text(tokenizer, load_text(spec, "calib", flag))
+    specs = split_mix(spec)
+    if len(specs) > n_samples:
+        raise DataSpecError(
+            f"calibration mix {spec!r} names {len(specs)} texts for {n_samples} sequences. "
+            "Fix: raise the number of calibration sequences or name fewer texts."
+        )
+    texts = [load_text(one, "calib", flag) for one in specs]
+    shares = [n_samples // len(specs) + (i < n_samples % len(specs)) for i in range(len(specs))]
+    # the first text keeps the run's seed, so a single spec draws the windows it always drew
+    parts = [
+        _text_windows(tokenizer, one, text, share, seq_len, seed + i, flag)
+        for i, (one, text, share) in enumerate(zip(specs, texts, shares))
+    ]
+    # taken in turns, so the first sequences (the sensitivity pass's, --refine-sequences') are a mix too
+    return torch.stack([part[j] for j in range(shares[0]) for part in parts if j < part.shape[0]])
+
+
+def _text_windows(tokenizer, spec: str, text: str, n_samples: int, seq_len: int, seed: int, flag: str):
+    ids = tokenize_text(tokenizer, text)
     n_tokens = int(ids.numel())
     if n_tokens < seq_len:
         raise DataSpecError(

@@ -157,7 +157,8 @@ class ConvertOptions:
         str,
         Field(
             min_length=1,
-            description="Calibration text: builtin, a text file, hf:NAME[:CONFIG[:SPLIT]], or random (token ids; "
+            description="Calibration text: builtin, a text file, hf:NAME[:CONFIG[:SPLIT]], a mix SPEC,SPEC,... "
+            "(equal shares of the sequences, e.g. builtin,my_domain.txt), or random (token ids; "
             "for tokenizer-less test models).",
         ),
     ] = "builtin"

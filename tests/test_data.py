@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mlakit import data
-from mlakit.data import DataSpecError, builtin_topic_split, calibration_batches, load_text, tokenize_text
+from mlakit.data import DataSpecError, builtin_topic_split, calibration_batches, load_text, split_mix, tokenize_text
 from tests.eval_helpers import char_tokenizer
 
 
@@ -148,10 +148,42 @@ def test_calibration_more_samples_than_windows(tmp_path):
     assert torch.equal(out, calibration_batches(char_tokenizer(), str(f), n_samples=10, seq_len=6, seed=3))
 
 
+def test_a_calibration_mix_shares_the_windows_equally_and_in_turns(tmp_path):
+    tok = char_tokenizer()
+    notes = tmp_path / "notes.txt"
+    notes.write_text("a short text of another kind, " * 20, encoding="utf-8")
+    alone = calibration_batches(tok, "builtin", n_samples=8, seq_len=16, seed=0)
+    mix = calibration_batches(tok, f"builtin, {notes}", n_samples=7, seq_len=16, seed=0)
+    assert mix.shape == (7, 16)
+    # builtin (4 windows, the remainder) and the notes (3) alternate; builtin draws with the run's seed
+    assert torch.equal(mix[0::2], alone[:4])
+    note_windows = tokenize_text(tok, notes.read_text()).unfold(0, 16, 1)
+    for row in mix[1::2]:
+        assert (note_windows == row).all(dim=1).any()
+    assert torch.equal(mix, calibration_batches(tok, f"builtin,{notes}", n_samples=7, seq_len=16, seed=0))
+
+
+def test_a_path_with_a_comma_is_one_spec_and_a_mix_needs_every_entry(tmp_path):
+    odd = tmp_path / "a,b.txt"
+    odd.write_text("text", encoding="utf-8")
+    assert split_mix(str(odd)) == [str(odd)]
+    assert split_mix("builtin , x.txt") == ["builtin", "x.txt"]
+    with pytest.raises(DataSpecError, match="empty entry.*single commas"):
+        split_mix("builtin,,x.txt")
+    with pytest.raises(DataSpecError, match="names 2 texts for 1 sequences"):
+        calibration_batches(char_tokenizer(), "builtin,builtin", n_samples=1, seq_len=8, seed=0)
+
+
+def test_a_bad_entry_of_a_mix_is_named_before_any_text_is_tokenized(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "tokenize_text", lambda *a: pytest.fail("tokenized before every text was read"))
+    with pytest.raises(DataSpecError, match=r"'missing.txt' is not 'builtin'.*--calib builtin"):
+        calibration_batches(char_tokenizer(), "builtin,missing.txt", n_samples=4, seq_len=8, seed=0, flag="--calib")
+
+
 def test_calibration_bad_sizes():
     with pytest.raises(ValueError, match="n_samples"):
         calibration_batches(char_tokenizer(), "builtin", n_samples=0, seq_len=8, seed=0)
 
 
 def test_module_exports():
-    assert set(data.__all__) >= {"DataSpecError", "load_text", "calibration_batches"}
+    assert set(data.__all__) >= {"DataSpecError", "load_text", "calibration_batches", "split_mix"}
