@@ -90,6 +90,7 @@ def main():
     ap.add_argument("--rows", default="all", help="comma-separated row numbers (1-based) or 'all'")
     ap.add_argument("--calib-samples", type=int, default=None, help="default: the options model's")
     ap.add_argument("--calib-seq-len", type=int, default=None, help="default: the options model's")
+    ap.add_argument("--calib-data", default=None, help="calibration text SPEC (default: the options model's)")
     ap.add_argument("--rope-dim", type=int, default=None, help="shared d_R of every row (default: ROPE_SHARE of the budget)")
     ap.add_argument("--eval-tokens", type=int, default=4096, help="tokens of each text scored")
     ap.add_argument("--seq-len", type=int, default=512)
@@ -122,7 +123,7 @@ def main():
         for name in order:
             overrides, sequential = ROWS[name]
             extra = {k: v for k, v in (("calib_samples", args.calib_samples), ("calib_seq_len", args.calib_seq_len),
-                                       ("rope_dim", args.rope_dim)) if v}
+                                       ("rope_dim", args.rope_dim), ("calib", args.calib_data)) if v}
             opts = ConvertOptions(kv_budget=budget, quiet=True, **overrides, **extra)
             tick = time.time()
             with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +151,7 @@ def main():
             "seq_len": args.seq_len, "stride": args.stride, "bootstrap": args.bootstrap,
             "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
             "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "rope_dim": args.rope_dim,
+            "calib_data": args.calib_data or ConvertOptions().calib,
             "seconds": round(time.time() - t0)}
     (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / "ablation.md").write_text(render(meta, results, names))
@@ -161,7 +163,7 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
     budgets = sorted({r["budget"] for r in results}, reverse=True)
     per_text = ", ".join(f"{t}: {meta['eval_tokens'][t]} tokens, source ppl {meta['source_ppl'][t]:.3f}" for t in texts)
     lines = [f"Perplexity ratio (converted / source) of {meta['source']} converted by `run_conversion` (in memory), "
-             f"calibration builtin {meta['calib_samples']} x {meta['calib_seq_len']}; "
+             f"calibration {meta.get('calib_data', 'builtin')} {meta['calib_samples']} x {meta['calib_seq_len']}; "
              + (f"d_R {meta['rope_dim']} in every row; " if meta.get("rope_dim") else "") +
              f"{per_text}; "
              f"window {meta['seq_len']}, stride {meta['stride']}. In parentheses: ppl relative to the "
