@@ -5,6 +5,7 @@ from __future__ import annotations
 import pydoc_data.topics
 
 import pytest
+import yaml
 import torch
 from transformers import AutoTokenizer
 
@@ -144,9 +145,13 @@ def smollm2_both_pipelines(tmp_path_factory):
     source.config.save_pretrained(str(copy))
     source.tokenizer().save_pretrained(str(copy))
     source.release()
-    opts = ConvertOptions(kv_budget=0.3125, calib_samples=4, calib_seq_len=64, dtype="float32", quiet=True)
+    notes = root / "notes.txt"  # a second text: the calibration is a mix, half its sequences from each
+    notes.write_text("The converted model keeps one small latent per token in its cache instead of every "
+                     "head's keys and values, and this text is only here to be tokenized. " * 8, encoding="utf-8")
+    opts = ConvertOptions(kv_budget=0.3125, calib=f"builtin,{notes}", calib_samples=4, calib_seq_len=64,
+                          dtype="float32", quiet=True)
     reports = {"mem": convert("default", root / "mem", opts), "stream": convert_streaming(str(copy), root / "stream", opts)}
-    return {"root": root, "mem": root / "mem", "stream": root / "stream", "reports": reports}
+    return {"root": root, "mem": root / "mem", "stream": root / "stream", "reports": reports, "calib": opts.calib}
 
 
 def test_gguf_in_memory_and_safetensors_streaming_write_identical_bytes(smollm2_both_pipelines):
@@ -155,6 +160,8 @@ def test_gguf_in_memory_and_safetensors_streaming_write_identical_bytes(smollm2_
     assert mem["plan"]["allocation"] == got["plan"]["allocation"] == "fisher"
     assert layer_records(got) == layer_records(mem) and got["plan"] == mem["plan"] and got["verify"] == mem["verify"]
     assert len(set(mem["plan"]["ranks"])) > 1  # the sensitivities moved ranks between layers
-    for name in ("model.safetensors", "config.json"):
+    for name in ("model.safetensors", "config.json", "recipe.yaml"):
         stream_bytes = (smollm2_both_pipelines["stream"] / name).read_bytes()
         assert stream_bytes == (smollm2_both_pipelines["mem"] / name).read_bytes(), name
+    recipe = yaml.safe_load((smollm2_both_pipelines["mem"] / "recipe.yaml").read_text())
+    assert recipe["calib"] == smollm2_both_pipelines["calib"]  # the mix, as given
