@@ -158,9 +158,10 @@ def load_text(spec: str, role: str, flag: str = "--data") -> str:
     elif Path(spec).expanduser().exists():
         text = _load_file(spec)
     else:
+        mix = " A mix of texts (SPEC,SPEC) is read only by convert's --calib." if "," in spec else ""
         raise DataSpecError(
             f"data spec {spec!r} is not 'builtin', not an 'hf:' dataset and no file of that name "
-            f"exists; {ALLOWED_FORMS}. Fix: correct the path, or use {flag} builtin."
+            f"exists; {ALLOWED_FORMS}.{mix} Fix: correct the path, or use {flag} builtin."
         )
     if not text.strip():
         raise DataSpecError(

@@ -174,6 +174,11 @@ def test_a_path_with_a_comma_is_one_spec_and_a_mix_needs_every_entry(tmp_path):
         calibration_batches(char_tokenizer(), "builtin,builtin", n_samples=1, seq_len=8, seed=0)
 
 
+def test_a_mix_given_where_one_text_is_read_says_where_mixes_go():
+    with pytest.raises(DataSpecError, match=r"only by convert's --calib\. Fix: correct the path, or use --data"):
+        load_text("builtin,notes.txt", "eval")
+
+
 def test_a_bad_entry_of_a_mix_is_named_before_any_text_is_tokenized(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "tokenize_text", lambda *a: pytest.fail("tokenized before every text was read"))
     with pytest.raises(DataSpecError, match=r"'missing.txt' is not 'builtin'.*--calib builtin"):
