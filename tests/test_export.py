@@ -310,6 +310,44 @@ def test_biases_refused_by_default_and_drop_is_lossy_but_loads(natives, tmp_path
         export(natives["qwen2"], tmp_path / "y", ExportOptions(biases="keep"))
 
 
+def test_export_holds_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
+    """Twelve layers, so the sorted names run 0, 1, 10, 11, 2, ...: each layer is made when its first name
+    is due and written out before the next is made; the dropped biases are reported in layer order."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import mlakit.export.run as export_run
+    from mlakit.io.shard_stream import ShardStreamWriter
+    from tests.tiny_models import TINY_CONFIG
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**(TINY_CONFIG | {"num_hidden_layers": 12}), num_key_value_heads=2))
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    model.save_pretrained(str(tmp_path / "src"))
+    convert(str(tmp_path / "src"), tmp_path / "native",
+            ConvertOptions(**CALIB, rope_method="transmla", rope_dim=16, kv_lora_rank=20))
+    events = []
+    make, write = export_run._stock_layer, ShardStreamWriter.write
+    monkeypatch.setattr(export_run, "_stock_layer", lambda native, plan, dtype, i: (
+        events.append(("make", i)), make(native, plan, dtype, i))[1])
+    monkeypatch.setattr(ShardStreamWriter, "write", lambda self, name, t: (
+        events.append(("write", name)), write(self, name, t))[1])
+    report = export(tmp_path / "native", tmp_path / "exact", ExportOptions(biases="hf-exact"))
+    assert report["verify"]["max_abs_logit_diff_fp32"] <= FP32_BOUND
+    made, unwritten = [], {}
+    for kind, what in events:
+        if kind == "make":  # every layer made before is written out by now
+            assert not any(unwritten.values()), f"layer {what} made while {unwritten} were pending"
+            made.append(what)
+            unwritten[what] = sum(1 for k, n in events if k == "write" and n.startswith(f"model.layers.{what}."))
+        elif what.startswith("model.layers."):
+            unwritten[int(what.split(".")[2])] -= 1
+    assert made == [0, 1, 10, 11, *range(2, 10)]
+    report = export(tmp_path / "native", tmp_path / "drop", ExportOptions(biases="drop"))
+    layers = [int(name.split(".")[2]) for name in report["checks"]["biases"]["dropped_max_abs"]]
+    assert layers == sorted(layers) and set(layers) == set(range(12))
+    assert [fact["layer"] for fact in report["layers"]] == list(range(12))
+
+
 def test_fp16_is_refused(natives, tmp_path):
     with pytest.raises(OptionsError, match="--dtype bfloat16 or --dtype float32"):  # refused when made
         export(natives["scored"], tmp_path / "x", ExportOptions(dtype="float16"))

@@ -19,7 +19,7 @@ from ..convert.engine_target import fit_target
 from ..export_options import EXPORT_FORMATS, ExportOptions
 from ..io.output_dir import check_output, claim_output, local_paths
 from ..io.source import TOKENIZER_FILES, resolve_source
-from ..io.writer import save_state_dict, write_json
+from ..io.writer import write_json
 from ..pipeline.verify import VERIFY_TOKENS, logit_report, verify_token_ids
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
@@ -89,31 +89,69 @@ _LAYER_NAMES = tuple(names.attn(m) for m in names.MLA_ATTN_PROJ) + tuple(names.m
 _LAYER_BIASES = tuple(names.attn(m, "bias") for m in (names.Q_PROJ, names.KV_A_PROJ, names.O_PROJ))
 
 
-def _stock_state(native: _Native, plan, dtype) -> tuple[dict, list[dict], dict]:
-    """(state dict, per-layer facts, dropped biases {name: max |b|})."""
-    cfg = native.config
-    s = plan.residual
-    state, facts, dropped = {}, [], {}
-    for i in range(cfg.num_hidden_layers):
-        p = names.layer_prefix(i)
-        t = {k: native.tensor(p + k) for k in _LAYER_NAMES}
-        for k in _LAYER_BIASES:
-            if native.has(p + k):
-                t[k] = native.tensor(p + k)
-                if not plan.keep_biases:
-                    dropped[p + k] = float(t[k].abs().max())
-        norm_in = native.tensor(p + names.norm(names.INPUT_NORM))
-        layer, fact = layer_tensors(plan, t, cfg.rope_freq_index[i], norm_in, p)
-        layer[p + names.norm(names.INPUT_NORM)] = norm_in
-        layer[p + names.norm(names.POST_ATTN_NORM)] = native.tensor(p + names.norm(names.POST_ATTN_NORM))
-        state.update({k: v.to(dtype).contiguous() for k, v in layer.items()})
-        facts.append({"layer": i} | fact)
+def _stock_layer(native: _Native, plan, dtype, i: int) -> tuple[dict, dict]:
+    """Decoder layer I's stock tensors, and its facts with the biases the plan drops {name: max |b|}."""
+    cfg, p = native.config, names.layer_prefix(i)
+    dropped = {}
+    t = {k: native.tensor(p + k) for k in _LAYER_NAMES}
+    for k in _LAYER_BIASES:
+        if native.has(p + k):
+            t[k] = native.tensor(p + k)
+            if not plan.keep_biases:
+                dropped[p + k] = float(t[k].abs().max())
+    norm_in = native.tensor(p + names.norm(names.INPUT_NORM))
+    layer, fact = layer_tensors(plan, t, cfg.rope_freq_index[i], norm_in, p)
+    layer[p + names.norm(names.INPUT_NORM)] = norm_in
+    layer[p + names.norm(names.POST_ATTN_NORM)] = native.tensor(p + names.norm(names.POST_ATTN_NORM))
+    return {k: v.to(dtype).contiguous() for k, v in layer.items()}, {"layer": i, "dropped": dropped} | fact
+
+
+def _stock_globals(native: _Native, plan, dtype) -> dict:
     embed = native.tensor(names.EMBED)
     head = native.tensor(names.LM_HEAD) if native.has(names.LM_HEAD) else embed
-    state[names.EMBED] = (embed * s).to(dtype)
-    state[names.LM_HEAD] = head.to(dtype).contiguous()  # untied: the final norm undoes s
-    state[names.FINAL_NORM] = native.tensor(names.FINAL_NORM).to(dtype)
-    return state, facts, dropped
+    return {
+        names.EMBED: (embed * plan.residual).to(dtype),
+        names.LM_HEAD: head.to(dtype).contiguous(),  # untied: the final norm undoes the residual scale
+        names.FINAL_NORM: native.tensor(names.FINAL_NORM).to(dtype),
+    }
+
+
+def _write_stock(native: _Native, plan, dtype, directory: Path) -> tuple[list[dict], dict]:
+    """Write the stock state dict into DIRECTORY as sharded safetensors, one decoder layer in memory at a
+    time; returns (per-layer facts, dropped biases {name: max |b|}).
+
+    The shard layout is fixed before the first byte (``ShardLayout``): every layer's names and shapes
+    are layer 0's under its own prefix, since the stock format has one rank and one rope dim in every
+    layer (the shard writer refuses a tensor that differs). The tensors go out in sorted-name order, as
+    ``save_state_dict`` writes a whole state dict, so the files are the same bytes."""
+    from ..io.shard_stream import ShardLayout, ShardStreamWriter
+
+    n_layers = native.config.num_hidden_layers
+    facts = {}
+    pending = _stock_globals(native, plan, dtype)  # tensors made and not yet written
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in pending.items()}
+    layer, facts[0] = _stock_layer(native, plan, dtype, 0)
+    pending.update(layer)
+    prefix0 = names.layer_prefix(0)
+    for i in range(n_layers):
+        p = names.layer_prefix(i)
+        shapes.update({p + k[len(prefix0):]: (tuple(v.shape), v.dtype) for k, v in layer.items()})
+    del layer  # layer 0's tensors stay in PENDING only until written
+    order = sorted(shapes)
+    writer = ShardStreamWriter(ShardLayout([(n, *shapes[n]) for n in order]), directory)
+    try:
+        for name in order:
+            if name not in pending:  # the first name of a layer not made yet: sorted, a layer's names are adjacent
+                i = int(name[len(names.LAYERS_PREFIX):].split(".", 1)[0])
+                layer, facts[i] = _stock_layer(native, plan, dtype, i)
+                pending.update(layer)
+            writer.write(name, pending.pop(name))
+        writer.finish()
+    finally:
+        writer.close()
+    in_order = [facts[i] for i in range(n_layers)]
+    dropped = {name: size for fact in in_order for name, size in fact.pop("dropped").items()}
+    return in_order, dropped
 
 
 def _copy_side_files(native_dir: Path, dest: Path) -> list[str]:
@@ -162,7 +200,6 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
     if opts.target == "vllm" and problems:
         raise ExportError(target_refusal(problems))
     fields = stock_config(cfg, plan, rope, max_positions, dtype)
-    state, facts, dropped = _stock_state(native, plan, dtype)
     from transformers import DeepseekV3Config, GenerationConfig
 
     config = DeepseekV3Config(**fields)
@@ -181,7 +218,7 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
             },
             "softmax_scale": {"native": cfg.softmax_scale, "q_prescale": plan.q_scale},
             "rms_norm_eps": {"source": cfg.rms_norm_eps, "pinned": plan.eps, "residual_scale": plan.residual},
-            "biases": {"present": plan.present_biases, "policy": opts.biases, "dropped_max_abs": dropped},
+            "biases": {"present": plan.present_biases, "policy": opts.biases, "dropped_max_abs": {}},
             "sliding_window": {"native": cfg.attention_window, "max_position_embeddings": max_positions},
             "dtype": str(dtype).replace("torch.", ""),
         },
@@ -189,11 +226,9 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
             "transformers": "exact: stock DeepseekV3ForCausalLM, no remote code (transformers 4.x and 5.x)",
             "vllm": {"serves_exactly": not problems, "problems": problems},
         },
-        "layers": facts,
     }
     with claim.staging() as tmp:
-        save_state_dict(state, tmp)
-        del state
+        report["layers"], report["checks"]["biases"]["dropped_max_abs"] = _write_stock(native, plan, dtype, tmp)
         config.save_pretrained(str(tmp))
         _add_legacy_rope(tmp / "config.json", rope)
         if problems:
