@@ -348,6 +348,21 @@ def test_export_holds_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
     assert [fact["layer"] for fact in report["layers"]] == list(range(12))
 
 
+def test_a_verification_larger_than_the_machine_is_refused_before_writing(natives, tmp_path, monkeypatch):
+    import mlakit.export.run as export_run
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(export_run.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 64)  # 64 pages
+    monkeypatch.setattr(export_run, "_write_stock", lambda *a: pytest.fail("wrote before refusing"))
+    with pytest.raises(ExportError, match=r"float32 side by side, about .* GiB, more than .*Pass --no-verify"):
+        export(natives["qwen2"], tmp_path / "out", ExportOptions(biases="hf-exact"))
+    assert not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(export_run.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 64)
+    export(natives["qwen2"], tmp_path / "out", ExportOptions(biases="hf-exact", verify=False))  # nothing to fit
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_fp16_is_refused(natives, tmp_path):
     with pytest.raises(OptionsError, match="--dtype bfloat16 or --dtype float32"):  # refused when made
         export(natives["scored"], tmp_path / "x", ExportOptions(dtype="float16"))

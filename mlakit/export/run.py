@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import shutil
 import time
 from dataclasses import asdict, replace
@@ -60,10 +62,11 @@ class _Native:
                 f"({MLAConfig.model_type!r}); convert it first with `mla-convert convert`"
             )
         self.config = MLAConfig.from_pretrained(str(self.directory))
-        self._where = {}
+        self._where, self.numel = {}, 0
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
                 self._where.update(dict.fromkeys(f.keys(), path))
+                self.numel += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
         if not self._where:
             raise ExportError(f"{self.directory} has no .safetensors weights")
         with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
@@ -83,6 +86,23 @@ class _Native:
 
 def read_native(directory) -> _Native:
     return _Native(Path(directory))
+
+
+def _check_verify_fits(native: _Native) -> None:
+    """Refuse, before anything is written, a verification that cannot fit this machine's memory: it holds the
+    native and the stock model in float32 at once (the stock one with its own LM head where the native ties it)."""
+    tied = not native.has(names.LM_HEAD)
+    need = 4 * (2 * native.numel + (native.config.vocab_size * native.config.hidden_size if tied else 0))
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        return
+    if need > physical:
+        raise ExportError(
+            f"the verification loads the native and the exported model in float32 side by side, about "
+            f"{need / 2**30:.1f} GiB, more than this machine's {physical / 2**30:.1f} GiB of memory. Pass --no-verify "
+            f"(the export itself holds one layer at a time), then check the export with `mla-convert eval`"
+        )
 
 
 _LAYER_NAMES = tuple(names.attn(m) for m in names.MLA_ATTN_PROJ) + tuple(names.mlp(m) for m in names.MLP_PROJ)
@@ -200,6 +220,8 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
     if opts.target == "vllm" and problems:
         raise ExportError(target_refusal(problems))
     fields = stock_config(cfg, plan, rope, max_positions, dtype)
+    if opts.verify:
+        _check_verify_fits(native)
     from transformers import DeepseekV3Config, GenerationConfig
 
     config = DeepseekV3Config(**fields)
