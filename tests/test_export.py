@@ -363,6 +363,19 @@ def test_a_verification_larger_than_the_machine_is_refused_before_writing(native
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
+def test_convert_format_refuses_a_verification_too_large_before_converting(natives, tmp_path, monkeypatch):
+    import mlakit.export.run as export_run
+    from mlakit.pipeline import run_state
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(export_run.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 64)
+    monkeypatch.setattr(run_state, "calibration_ids", lambda *a: pytest.fail("calibrated before refusing"))
+    with pytest.raises(ExportError, match="float32 side by side.*Pass --no-verify"):
+        convert_to_format("deepseek-v3", str(natives["scored_src"]), tmp_path / "out",
+                          ConvertOptions(**CALIB, rope_method="transmla", rope_dim=16, kv_lora_rank=20))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no output, no temporary
+
+
 def test_fp16_is_refused(natives, tmp_path):
     with pytest.raises(OptionsError, match="--dtype bfloat16 or --dtype float32"):  # refused when made
         export(natives["scored"], tmp_path / "x", ExportOptions(dtype="float16"))
@@ -453,7 +466,16 @@ def test_cli_export_and_convert_format(natives, tmp_path):
     report = json.loads((tmp_path / "one_go" / "export.json").read_text())
     assert report["verify"]["max_abs_logit_diff_fp32"] <= FP32_BOUND
     assert (tmp_path / "one_go" / "native_conversion.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "native", "one_go"]  # no temporary left
+    native_report = json.loads((tmp_path / "one_go" / "native_conversion.json").read_text())
+    assert native_report["pipeline"]["name"] == "streaming"  # a safetensors source streams by default
+    args[2] = str(tmp_path / "one_go_in_memory")
+    res = runner.invoke(cli, [*args, "--pipeline", "in-memory"])
+    assert res.exit_code == 0, res.output
+    for name in ("model.safetensors", "config.json"):  # both pipelines export the same bytes
+        assert (tmp_path / "one_go" / name).read_bytes() == (tmp_path / "one_go_in_memory" / name).read_bytes()
+    res = runner.invoke(cli, [*args[:2], str(tmp_path / "resumed"), *args[3:], "--resume"])
+    assert res.exit_code == 2 and "nothing to resume" in res.output and "--format native" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "native", "one_go", "one_go_in_memory"]  # no temporary
 
 
 # --- SmolLM2-135M --------------------------------------------------------------------------------

@@ -94,15 +94,17 @@ def convert_command(
     if fmt == "native":
         stream = StreamOptions(resume=resume, max_memory=max_memory)
         report = run_conversion(src, out, opts, pipeline, stream, recipe=named)
-    elif pipeline == "streaming" or resume or max_memory is not None:
+    elif resume:
         raise click.UsageError(
-            f"--format {fmt} converts in memory before exporting; --pipeline streaming, --resume "
-            f"and --max-memory apply to --format native only"
+            f"--format {fmt} converts into a temporary native checkpoint that a failed run removes, so there "
+            f"is nothing to resume; for a resumable run convert with --format native, then `mla-convert export`"
         )
     else:  # convert into a temporary native checkpoint, export it to OUT
         from ..export import convert_to_format
 
-        report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=export_opts)
+        stream = StreamOptions(max_memory=max_memory)
+        report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=export_opts, pipeline=pipeline,
+                                   stream=stream)
     per_layer = report["kv_values_per_token"] / len(report["layers"])
     summary = {
         "output": str(out),

@@ -88,11 +88,20 @@ def read_native(directory) -> _Native:
     return _Native(Path(directory))
 
 
-def _check_verify_fits(native: _Native) -> None:
+def _source_parameters(config, shape) -> int:
+    """About how many parameters the source of CONFIG holds (ATTENTION_SHAPE SHAPE): its conversion has
+    fewer attention parameters at any rank below full, so this bounds what the verification loads."""
+    D, d = shape.hidden_size, shape.head_dim
+    attention = D * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
+    embeddings = config.vocab_size * D * (1 if getattr(config, "tie_word_embeddings", False) else 2)
+    return embeddings + config.num_hidden_layers * (attention + 3 * D * config.intermediate_size)
+
+
+def _check_verify_fits(parameters: int, untied_head: int) -> None:
     """Refuse, before anything is written, a verification that cannot fit this machine's memory: it holds the
-    native and the stock model in float32 at once (the stock one with its own LM head where the native ties it)."""
-    tied = not native.has(names.LM_HEAD)
-    need = 4 * (2 * native.numel + (native.config.vocab_size * native.config.hidden_size if tied else 0))
+    native model (PARAMETERS) and the stock one (the same, plus UNTIED_HEAD parameters where the native ties
+    its LM head to the embedding) in float32 at once."""
+    need = 4 * (2 * parameters + untied_head)
     try:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (OSError, ValueError):
@@ -221,7 +230,7 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
         raise ExportError(target_refusal(problems))
     fields = stock_config(cfg, plan, rope, max_positions, dtype)
     if opts.verify:
-        _check_verify_fits(native)
+        _check_verify_fits(native.numel, 0 if native.has(names.LM_HEAD) else cfg.vocab_size * cfg.hidden_size)
     from transformers import DeepseekV3Config, GenerationConfig
 
     config = DeepseekV3Config(**fields)
@@ -280,16 +289,18 @@ def _add_legacy_rope(path: Path, rope: dict) -> None:
 
 
 def convert_to_format(
-    fmt: str, src: str, out, convert_opts, recipe=None, export_opts: ExportOptions | None = None
+    fmt: str, src: str, out, convert_opts, recipe=None, export_opts: ExportOptions | None = None,
+    pipeline: str = "auto", stream=None,
 ):
     """`convert --format`: native writes OUT directly; deepseek-v3 converts into a temporary native
-    checkpoint beside OUT, exports it to OUT and removes the temporary one."""
-    from ..pipeline.api import ConversionError, convert
+    checkpoint beside OUT (through PIPELINE with STREAM's options, as ``run_conversion``: a directory of
+    safetensors streams by default), exports it to OUT one layer at a time and removes the temporary one."""
+    from ..pipeline.api import ConversionError, run_conversion
 
     if fmt not in FORMATS:
         raise ConversionError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt == "native":
-        return convert(src, out, convert_opts, recipe=recipe)
+        return run_conversion(src, out, convert_opts, pipeline, stream, recipe=recipe)
     check_output(out, convert_opts.overwrite, local_paths(src))
     if convert_opts.dtype in ("float16", "fp16"):
         check_dtype(convert_opts.dtype, torch.float16)
@@ -302,12 +313,17 @@ def convert_to_format(
 
     def precheck(source_config, shape):  # refuse what the export would refuse before calibrating
         check_source_for_export(source_config, shape, export_opts)
+        if export_opts.verify:
+            tied = getattr(source_config, "tie_word_embeddings", False)
+            _check_verify_fits(_source_parameters(source_config, shape),
+                               source_config.vocab_size * shape.hidden_size if tied else 0)
 
     _, src_path = resolve_source(src)
     with claim_output(out, convert_opts.overwrite, sources=[src_path]) as claim:
         scratch = claim.scratch()  # marked: a later run into OUT removes it if this one is killed
         try:
-            report = convert(src, scratch / "native", convert_opts, recipe=recipe, precheck=precheck)
+            report = run_conversion(src, scratch / "native", convert_opts, pipeline, stream, recipe=recipe,
+                                    precheck=precheck)
             if export_opts.dtype == "auto" and report["settings"]["dtype"] == "float16":
                 log.warning("the source is float16, which deepseek-v3 cannot hold; exporting bfloat16")
                 export_opts = replace(export_opts, dtype="bfloat16")
