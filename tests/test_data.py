@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from mlakit import data
-from mlakit.data import DataSpecError, builtin_topic_split, calibration_batches, load_text, split_mix, tokenize_text
+from mlakit.data import (
+    DataSpecError,
+    builtin_topic_split,
+    calibration_batches,
+    load_text,
+    split_mix,
+    tokenize_text,
+)
 from tests.eval_helpers import char_tokenizer
 
 

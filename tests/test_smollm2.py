@@ -5,8 +5,8 @@ from __future__ import annotations
 import pydoc_data.topics
 
 import pytest
-import yaml
 import torch
+import yaml
 from transformers import AutoTokenizer
 
 from mlakit import load_converted

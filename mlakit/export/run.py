@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import shutil
 import time
 from dataclasses import asdict, replace
@@ -22,7 +20,6 @@ from ..export_options import EXPORT_FORMATS, ExportOptions
 from ..io.output_dir import check_output, claim_output, local_paths
 from ..io.source import TOKENIZER_FILES, resolve_source
 from ..io.writer import write_json
-from ..pipeline.verify import VERIFY_TOKENS, logit_report, verify_token_ids
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
 from .engine_rules import (
     ExportError,
@@ -32,6 +29,7 @@ from .engine_rules import (
     target_refusal,
     vllm_problems,
 )
+from .verify import verify_export
 
 __all__ = ["FORMATS", "ExportOptions", "convert_to_format", "export", "read_native"]
 
@@ -41,36 +39,19 @@ FORMATS = ("native", *EXPORT_FORMATS)  # what `convert --format` writes
 _PROVENANCE = ("conversion.json", "recipe.yaml")
 
 
-class _Native:
-    """A native checkpoint directory: its MLAConfig and a lazy name -> float64 tensor reader."""
+class _Shards:
+    """The safetensors files of a checkpoint DIRECTORY as a lazy name -> float64 tensor reader."""
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
 
-        from ..mla_model.configuration_mla import MLAConfig
-
         self.directory = Path(directory)
-        cfg_path = self.directory / "config.json"
-        if not cfg_path.is_file():
-            raise ExportError(
-                f"{self.directory} has no config.json; pass the directory `mla-convert convert` wrote"
-            )
-        model_type = json.loads(cfg_path.read_text()).get("model_type")
-        if model_type != MLAConfig.model_type:
-            raise ExportError(
-                f"{self.directory} holds model_type {model_type!r}, not a native mlakit checkpoint "
-                f"({MLAConfig.model_type!r}); convert it first with `mla-convert convert`"
-            )
-        self.config = MLAConfig.from_pretrained(str(self.directory))
-        self._where, self.numel = {}, 0
+        self._where = {}
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
                 self._where.update(dict.fromkeys(f.keys(), path))
-                self.numel += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
         if not self._where:
             raise ExportError(f"{self.directory} has no .safetensors weights")
-        with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
-            self.dtype = f.get_tensor(names.EMBED).dtype
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -83,35 +64,37 @@ class _Native:
         with safe_open(str(self._where[name]), framework="pt") as f:
             return f.get_tensor(name).double()
 
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with PREFIX (a layer's, the final norm's)."""
+        return {name: self.tensor(name) for name in self._where if name.startswith(prefix)}
+
+
+class _Native(_Shards):
+    """A native checkpoint directory: its MLAConfig and its tensors."""
+
+    def __init__(self, directory: Path):
+        from ..mla_model.configuration_mla import MLAConfig
+
+        directory = Path(directory)
+        cfg_path = directory / "config.json"
+        if not cfg_path.is_file():
+            raise ExportError(f"{directory} has no config.json; pass the directory `mla-convert convert` wrote")
+        model_type = json.loads(cfg_path.read_text()).get("model_type")
+        if model_type != MLAConfig.model_type:
+            raise ExportError(
+                f"{directory} holds model_type {model_type!r}, not a native mlakit checkpoint "
+                f"({MLAConfig.model_type!r}); convert it first with `mla-convert convert`"
+            )
+        self.config = MLAConfig.from_pretrained(str(directory))
+        super().__init__(directory)
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
+            self.dtype = f.get_tensor(names.EMBED).dtype  # the dtype the conversion stored
+
 
 def read_native(directory) -> _Native:
     return _Native(Path(directory))
-
-
-def _source_parameters(config, shape) -> int:
-    """About how many parameters the source of CONFIG holds (ATTENTION_SHAPE SHAPE): its conversion has
-    fewer attention parameters at any rank below full, so this bounds what the verification loads."""
-    D, d = shape.hidden_size, shape.head_dim
-    attention = D * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
-    embeddings = config.vocab_size * D * (1 if getattr(config, "tie_word_embeddings", False) else 2)
-    return embeddings + config.num_hidden_layers * (attention + 3 * D * config.intermediate_size)
-
-
-def _check_verify_fits(parameters: int, untied_head: int) -> None:
-    """Refuse, before anything is written, a verification that cannot fit this machine's memory: it holds the
-    native model (PARAMETERS) and the stock one (the same, plus UNTIED_HEAD parameters where the native ties
-    its LM head to the embedding) in float32 at once."""
-    need = 4 * (2 * parameters + untied_head)
-    try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError):
-        return
-    if need > physical:
-        raise ExportError(
-            f"the verification loads the native and the exported model in float32 side by side, about "
-            f"{need / 2**30:.1f} GiB, more than this machine's {physical / 2**30:.1f} GiB of memory. Pass --no-verify "
-            f"(the export itself holds one layer at a time), then check the export with `mla-convert eval`"
-        )
 
 
 _LAYER_NAMES = tuple(names.attn(m) for m in names.MLA_ATTN_PROJ) + tuple(names.mlp(m) for m in names.MLP_PROJ)
@@ -193,22 +176,6 @@ def _copy_side_files(native_dir: Path, dest: Path) -> list[str]:
     return copied
 
 
-@torch.no_grad()
-def _verify(native_dir: Path, export_dir: Path, max_positions: int) -> dict:
-    """Logits of the stock model (stock transformers class) against the native model, float32."""
-    from transformers import DeepseekV3ForCausalLM
-
-    from ..mla_model import load_converted
-
-    native = load_converted(native_dir, torch.float32)
-    ids = verify_token_ids(native.config.vocab_size, min(VERIFY_TOKENS, max_positions))
-    want = native(ids).logits
-    stock = DeepseekV3ForCausalLM.from_pretrained(str(export_dir), dtype=torch.float32).eval()
-    report = logit_report(stock(ids).logits, want)
-    report["max_abs_logit_diff_fp32"] = report.pop("max_abs_logit_diff")  # both models ran in float32
-    return report
-
-
 def export(native_dir, dest, opts: ExportOptions | None = None) -> dict:
     """Export the native checkpoint NATIVE_DIR as OPTS.format at DEST; returns the export report.
 
@@ -229,8 +196,6 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
     if opts.target == "vllm" and problems:
         raise ExportError(target_refusal(problems))
     fields = stock_config(cfg, plan, rope, max_positions, dtype)
-    if opts.verify:
-        _check_verify_fits(native.numel, 0 if native.has(names.LM_HEAD) else cfg.vocab_size * cfg.hidden_size)
     from transformers import DeepseekV3Config, GenerationConfig
 
     config = DeepseekV3Config(**fields)
@@ -268,7 +233,7 @@ def _export_into(claim, native_dir: Path, opts: ExportOptions) -> dict:
         if not (tmp / "generation_config.json").is_file():
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if opts.verify:
-            report["verify"] = _verify(native_dir, tmp, max_positions)
+            report["verify"] = verify_export(native, _Shards(tmp), max_positions)
         report["seconds"] = round(time.time() - start, 2)
         write_json(tmp / "export.json", report)
     if problems:
@@ -313,10 +278,6 @@ def convert_to_format(
 
     def precheck(source_config, shape):  # refuse what the export would refuse before calibrating
         check_source_for_export(source_config, shape, export_opts)
-        if export_opts.verify:
-            tied = getattr(source_config, "tie_word_embeddings", False)
-            _check_verify_fits(_source_parameters(source_config, shape),
-                               source_config.vocab_size * shape.hidden_size if tied else 0)
 
     _, src_path = resolve_source(src)
     with claim_output(out, convert_opts.overwrite, sources=[src_path]) as claim:
