@@ -329,8 +329,8 @@ def test_export_holds_one_decoder_layer_at_a_time(tmp_path, monkeypatch):
     convert(str(tmp_path / "src"), tmp_path / "native",
             ConvertOptions(**CALIB, rope_method="transmla", rope_dim=16, kv_lora_rank=20))
     events = []
-    make, write = export_run._stock_layer, ShardStreamWriter.write
-    monkeypatch.setattr(export_run, "_stock_layer", lambda native, plan, dtype, i: (
+    make, write = export_run.stock_layer, ShardStreamWriter.write
+    monkeypatch.setattr(export_run, "stock_layer", lambda native, plan, dtype, i: (
         events.append(("make", i)), make(native, plan, dtype, i))[1])
     monkeypatch.setattr(ShardStreamWriter, "write", lambda self, name, t: (
         events.append(("write", name)), write(self, name, t))[1])

@@ -73,6 +73,8 @@ class _Native(_Shards):
     """A native checkpoint directory: its MLAConfig and its tensors."""
 
     def __init__(self, directory: Path):
+        from safetensors import safe_open
+
         from ..mla_model.configuration_mla import MLAConfig
 
         directory = Path(directory)
@@ -87,8 +89,6 @@ class _Native(_Shards):
             )
         self.config = MLAConfig.from_pretrained(str(directory))
         super().__init__(directory)
-        from safetensors import safe_open
-
         with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
             self.dtype = f.get_tensor(names.EMBED).dtype  # the dtype the conversion stored
 
@@ -101,8 +101,9 @@ _LAYER_NAMES = tuple(names.attn(m) for m in names.MLA_ATTN_PROJ) + tuple(names.m
 _LAYER_BIASES = tuple(names.attn(m, "bias") for m in (names.Q_PROJ, names.KV_A_PROJ, names.O_PROJ))
 
 
-def _stock_layer(native: _Native, plan, dtype, i: int) -> tuple[dict, dict]:
-    """Decoder layer I's stock tensors, and its facts with the biases the plan drops {name: max |b|}."""
+def stock_layer(native: _Native, plan, dtype, i: int) -> tuple[dict, dict]:
+    """Decoder layer I's stock tensors, and its facts with the biases the plan drops {name: max |b|}
+    (public so that a test can watch when each layer is made)."""
     cfg, p = native.config, names.layer_prefix(i)
     dropped = {}
     t = {k: native.tensor(p + k) for k in _LAYER_NAMES}
@@ -142,7 +143,7 @@ def _write_stock(native: _Native, plan, dtype, directory: Path) -> tuple[list[di
     facts = {}
     pending = _stock_globals(native, plan, dtype)  # tensors made and not yet written
     shapes = {k: (tuple(v.shape), v.dtype) for k, v in pending.items()}
-    layer, facts[0] = _stock_layer(native, plan, dtype, 0)
+    layer, facts[0] = stock_layer(native, plan, dtype, 0)
     pending.update(layer)
     prefix0 = names.layer_prefix(0)
     for i in range(n_layers):
@@ -155,7 +156,7 @@ def _write_stock(native: _Native, plan, dtype, directory: Path) -> tuple[list[di
         for name in order:
             if name not in pending:  # the first name of a layer not made yet: sorted, a layer's names are adjacent
                 i = int(name[len(names.LAYERS_PREFIX):].split(".", 1)[0])
-                layer, facts[i] = _stock_layer(native, plan, dtype, i)
+                layer, facts[i] = stock_layer(native, plan, dtype, i)
                 pending.update(layer)
             writer.write(name, pending.pop(name))
         writer.finish()
