@@ -29,6 +29,7 @@ __all__ = [
     "ROLES",
     "builtin_topic_split",
     "calibration_batches",
+    "calibration_relation",
     "split_mix",
     "load_text",
     "parse_hf",
@@ -201,6 +202,32 @@ def split_mix(spec: str) -> list[str]:
             "Fix: separate the specs with single commas, e.g. 'builtin,notes.txt'."
         )
     return parts
+
+
+def _same_text(eval_spec: str, calib_spec: str) -> bool:
+    """Whether EVAL_SPEC read for evaluation gives the text CALIB_SPEC gives for calibration."""
+    if eval_spec.startswith(HF_PREFIX) and calib_spec.startswith(HF_PREFIX):
+        try:
+            return parse_hf(eval_spec, "eval") == parse_hf(calib_spec, "calib")
+        except DataSpecError:
+            return False
+    a, b = Path(eval_spec).expanduser(), Path(calib_spec).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def calibration_relation(eval_spec: str, calib_spec: str | None) -> str | None:
+    """How the evaluation text EVAL_SPEC stands to a conversion's calibration CALIB_SPEC (a mix too):
+    "calibration text" (it is, or is in, the calibration: the ratio measured on it is optimistic),
+    "calibration source, disjoint part" (``builtin`` for both: the same kind of text, other topics),
+    "other text", or None when the calibration is not known or was random token ids."""
+    if not calib_spec or calib_spec == "random":
+        return None
+    specs = split_mix(calib_spec)
+    if any(_same_text(eval_spec, one) for one in specs):
+        return "calibration text"
+    if eval_spec == BUILTIN_SPEC and BUILTIN_SPEC in specs:
+        return "calibration source, disjoint part"
+    return "other text"
 
 
 def calibration_batches(

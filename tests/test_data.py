@@ -10,6 +10,7 @@ from mlakit.data import (
     DataSpecError,
     builtin_topic_split,
     calibration_batches,
+    calibration_relation,
     load_text,
     split_mix,
     tokenize_text,
@@ -190,6 +191,20 @@ def test_a_bad_entry_of_a_mix_is_named_before_any_text_is_tokenized(tmp_path, mo
     monkeypatch.setattr(data, "tokenize_text", lambda *a: pytest.fail("tokenized before every text was read"))
     with pytest.raises(DataSpecError, match=r"'missing.txt' is not 'builtin'.*--calib builtin"):
         calibration_batches(char_tokenizer(), "builtin,missing.txt", n_samples=4, seq_len=8, seed=0, flag="--calib")
+
+
+def test_what_an_evaluation_text_is_to_the_calibration(tmp_path):
+    notes, other = tmp_path / "notes.txt", tmp_path / "other.txt"
+    notes.write_text("n", encoding="utf-8")
+    other.write_text("o", encoding="utf-8")
+    assert calibration_relation(str(notes), f"builtin,{tmp_path}/../{tmp_path.name}/notes.txt") == "calibration text"
+    assert calibration_relation("builtin", "builtin") == "calibration source, disjoint part"
+    assert calibration_relation("builtin", str(notes)) == "other text"
+    assert calibration_relation(str(other), f"builtin,{notes}") == "other text"
+    # a dataset's evaluation split (test) is not its calibration split (train) unless named so
+    assert calibration_relation("hf:wikitext:raw", "hf:wikitext:raw") == "other text"
+    assert calibration_relation("hf:wikitext:raw:train", "hf:wikitext:raw") == "calibration text"
+    assert calibration_relation("builtin", "random") is None and calibration_relation("builtin", None) is None
 
 
 def test_calibration_bad_sizes():

@@ -149,6 +149,25 @@ def test_eval_sweep_plots_ppl_against_kv(models, tmp_path):
     assert "layer_ranks.png" not in rep["plots"]  # plain models carry no ranks
 
 
+def test_eval_says_when_it_scores_the_calibration_text(models, tmp_path, caplog):
+    text = tmp_path / "notes.txt"
+    text.write_text(load_text("builtin", "eval")[:4000], encoding="utf-8")
+    conv = save_tiny_llama(tmp_path / "conv", seed=0, perturb=0.02, tokenizer=False,
+                           conversion={"settings": {"calib": f"builtin,{text}"}})
+    res = _invoke(eval_command, ["--original", models["orig"], "--converted", conv, "--data", text,
+                                 "--report", tmp_path / "report", *FAST])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert rep["data"]["calibration"] == {"spec": f"builtin,{text}", "relation": "calibration text"}
+    assert "this ratio is optimistic" in (tmp_path / "report" / "report.md").read_text()
+    assert "its ratio is optimistic" in caplog.text
+    res = _invoke(eval_command, ["--original", models["orig"], "--converted", conv, "--report",
+                                 tmp_path / "builtin", *FAST])
+    assert res.exit_code == 0, res.output
+    md = (tmp_path / "builtin" / "report.md").read_text()
+    assert "disjoint from its calibration part but of the same kind" in md
+
+
 def test_eval_rerun_replaces_an_old_report_but_not_other_folders(models, tmp_path):
     out = tmp_path / "r"
     args = ["--original", models["orig"], "--converted", models["conv"], *FAST]

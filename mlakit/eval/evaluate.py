@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from mlakit.data import load_text, tokenize_text
+from mlakit.data import calibration_relation, load_text, tokenize_text
 
 from .kv_accounting import account_kv, kv_reduction
 from .loading import (
@@ -221,6 +221,11 @@ def run_eval(s: EvalSettings) -> dict:
         model = load_converted_model(path, dtype, device)
         entry = _evaluate_model(model, label, str(path), ids, tokenizer, s, device, tasks)
         entry["conversion"] = conversion
+        calib = ((conversion or {}).get("settings") or {}).get("calib")
+        entry["calibration"] = {"spec": calib, "relation": calibration_relation(s.data, calib)}
+        if entry["calibration"]["relation"] == "calibration text":
+            logger.warning("%s was calibrated on %s, which holds the evaluation text %s: its ratio is optimistic; "
+                           "evaluate on text the conversion has not seen", path, calib, s.data)
         entry["layer_ranks"] = layer_ranks(entry["conversion"], model.config)
         entry["ppl_ratio"] = entry["ppl"] / original["ppl"]
         entry["kv_reduction"] = kv_reduction(original["kv_bytes_per_token"], entry["kv_bytes_per_token"])
@@ -241,6 +246,7 @@ def run_eval(s: EvalSettings) -> dict:
             "n_tokens": int(ids.numel()),
             "n_text_tokens": n_text_tokens,
             "token_ids_sha256": token_ids_digest(ids),
+            "calibration": first["calibration"],
         },
         "settings": {
             **asdict(s),
