@@ -30,9 +30,9 @@ __all__ = [
     "builtin_topic_split",
     "calibration_batches",
     "calibration_relation",
-    "split_mix",
     "load_text",
     "parse_hf",
+    "split_mix",
     "tokenize_text",
 ]
 
@@ -238,8 +238,10 @@ def calibration_batches(
     SPEC may be a mix, ``SPEC[,SPEC...]``: the windows are then shared out equally among its texts
     (the first ones take the remainder), whatever their lengths, so a short text of the kind a
     model will serve weighs as much as a long general one, and they follow each other in turns.
-    Every text is read and checked before any is tokenized. Returns a LongTensor of shape (n_samples, seq_len). Windows are distinct
-    offsets while a text has enough of them, and may overlap. The same arguments give the same tensor.
+    Every text is read and checked before any is tokenized.
+
+    Returns a LongTensor of shape (n_samples, seq_len). Windows are distinct offsets while a text
+    has enough of them, and may overlap. The same arguments give the same tensor.
     """
     if n_samples < 1 or seq_len < 1:
         raise ValueError(f"n_samples and seq_len must be >= 1, got n_samples={n_samples}, seq_len={seq_len}")
