@@ -91,8 +91,8 @@ def convert_command(
     # a recipe's values that the target or the export cannot hold are replaced (logged), explicit flags refused
     opts = fit_target(opts, explicit=overrides, stock_export=fmt == "deepseek-v3")
     named = base.model_copy(update={"name": base.name or recipe})
+    stream = StreamOptions(resume=resume, max_memory=max_memory)
     if fmt == "native":
-        stream = StreamOptions(resume=resume, max_memory=max_memory)
         report = run_conversion(src, out, opts, pipeline, stream, recipe=named)
     elif resume:
         raise click.UsageError(
@@ -102,7 +102,6 @@ def convert_command(
     else:  # convert into a temporary native checkpoint, export it to OUT
         from ..export import convert_to_format
 
-        stream = StreamOptions(max_memory=max_memory)
         report = convert_to_format(fmt, src, out, opts, recipe=named, export_opts=export_opts, pipeline=pipeline,
                                    stream=stream)
     per_layer = report["kv_values_per_token"] / len(report["layers"])

@@ -10,8 +10,6 @@ and heads, at any model size."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -30,16 +28,17 @@ def verify_export(native, stock, max_positions: int) -> dict:
 
     cfg = native.config
     ids = verify_token_ids(cfg.vocab_size, min(VERIFY_TOKENS, max_positions))
-    stock_layers = SourceLayers(DeepseekV3Config.from_pretrained(str(Path(stock.directory))), window=None)
+    stock_layers = SourceLayers(DeepseekV3Config.from_pretrained(str(stock.directory)), window=None)
     mla_layers = MLALayers(cfg)
-    want = nn.functional.embedding(ids, native.tensor(names.EMBED).float())
+    embed = native.tensor(names.EMBED)
+    want = nn.functional.embedding(ids, embed.float())
     got = nn.functional.embedding(ids, stock.tensor(names.EMBED).float())
     for i in range(cfg.num_hidden_layers):
         prefix = names.layer_prefix(i)
         want = mla_layers.run(mla_layers.layer(i, native.tensors(prefix)), want)
         got = stock_layers.run(stock_layers.layer(i, stock.tensors(prefix)), got)
-    head = names.LM_HEAD if native.has(names.LM_HEAD) else names.EMBED  # a native model may tie its head
-    want = mla_layers.logits(want, native.tensors(names.FINAL_NORM_PREFIX) | {head: native.tensor(head)}, head)
+    head = native.tensor(names.LM_HEAD) if native.has(names.LM_HEAD) else embed  # a native model may tie it
+    want = mla_layers.logits(want, native.tensors(names.FINAL_NORM_PREFIX) | {names.LM_HEAD: head}, names.LM_HEAD)
     got = stock_layers.logits(
         got, stock.tensors(names.FINAL_NORM_PREFIX) | {names.LM_HEAD: stock.tensor(names.LM_HEAD)}, names.LM_HEAD
     )
