@@ -104,3 +104,28 @@ def test_sampled_labels_follow_each_rows_distribution():
     assert torch.all(labels[:, 1] == 3)
     again = sample_rows(probs, torch.Generator().manual_seed(0)).view(10000, 2)
     assert torch.equal(labels, again)  # seeded
+
+
+def test_longer_sequences_mean_fewer_measured_sequences_not_fewer_tokens():
+    """The lag profile and the sensitivity pass read the first sequences: the same ones as always at
+    256 tokens, half as many at 512, never none and never more than their caps."""
+    A, S = calibration.ATTENTION_SAMPLES, calibration.SENSITIVITY_SAMPLES
+    assert (calibration.attention_sequences(256), calibration.sensitivity_sequences(256)) == (A, S)
+    assert (calibration.attention_sequences(512), calibration.sensitivity_sequences(512)) == (A // 2, S // 2)
+    for seq_len in (2, 64, 300, 4096, 10**6):
+        for n, most, tokens in ((calibration.attention_sequences(seq_len), A, calibration.ATTENTION_TOKENS),
+                                (calibration.sensitivity_sequences(seq_len), S, calibration.SENSITIVITY_TOKENS)):
+            assert 1 <= n <= most and (n == 1 or n * seq_len <= tokens)
+
+
+def test_the_lag_profile_reads_the_first_sequences_its_token_count_allows(tiny_sources, monkeypatch):
+    monkeypatch.setattr(calibration, "ATTENTION_TOKENS", 40)  # two sequences of 20
+    source = open_source(str(tiny_sources["llama_gqa"]))
+    shape = attention_shape(source.config)
+    model = source.load_model(torch.float32)
+    ids = torch.randint(3, 96, (6, 20), generator=torch.Generator().manual_seed(2))
+    lag = [st.lag_p2 for st in collect_stats(model, ids, shape, batch_size=2, quiet=True)]
+    two = [st.lag_p2 for st in collect_stats(model, ids, shape, batch_size=2, attention_samples=2, quiet=True)]
+    four = [st.lag_p2 for st in collect_stats(model, ids, shape, batch_size=2, attention_samples=4, quiet=True)]
+    assert all(torch.equal(a, b) for a, b in zip(lag, two))
+    assert not all(torch.equal(a, b) for a, b in zip(lag, four))

@@ -156,9 +156,10 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     """The layer-by-layer backward sweep measures the loss sensitivities the in-memory pipeline's
     single backward pass through the whole model measures (same sequences, same sampled labels)."""
     from mlakit.arch.families import attention_shape
-    from mlakit.convert.calibration import SENSITIVITY_SAMPLES, collect_stats
+    from mlakit.convert.calibration import collect_stats
     from mlakit.io.source import open_source
     from mlakit.pipeline.api import calibration_ids
+    from mlakit.pipeline.settings import sensitivity_sequences
 
     opts = ConvertOptions(**SETTINGS["fisher"], **CALIB)
     report = convert_streaming(str(deep_source), tmp_path / "out", opts, StreamOptions(batch_size=5))
@@ -167,7 +168,8 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
     model = source.load_model(torch.float32)
     ids = calibration_ids(source, opts, model.config.vocab_size)
     want = [st.sensitivity for st in collect_stats(model, ids, attention_shape(source.config), quiet=True,
-                                                   sensitivity_samples=SENSITIVITY_SAMPLES, seed=opts.seed)]
+                                                   sensitivity_samples=sensitivity_sequences(opts, ids.shape[0]),
+                                                   seed=opts.seed)]
     assert len(seen["sensitivity"]) == len(want) == 5
     assert_close("sensitivity", torch.tensor(seen["sensitivity"]), torch.tensor(want), atol=0, rtol=1e-5)
     assert len(set(want)) == 5 and min(want) > 0

@@ -35,7 +35,7 @@ import torch
 from mlakit.arch.families import attention_shape
 from mlakit.arch.names import LAYER_PREFIX
 from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attention
-from mlakit.convert.calibration import ATTENTION_SAMPLES, BATCH_SIZE, layer_accumulator
+from mlakit.convert.calibration import BATCH_SIZE, attention_sequences, layer_accumulator
 from mlakit.convert.compress import compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.refine import RefineSettings, attention_residual, refine_layer
@@ -152,7 +152,7 @@ def main():
                 try:
                     hidden = h_conv[name] if sequential else h_src
                     for a, b in chunks(n_calib):
-                        acc.with_attention = a < ATTENTION_SAMPLES
+                        acc.with_attention = a < attention_sequences(args.calib_seq_len)
                         attention_residual(layer, src.run, hidden[a:b])  # stats need the attention only
                 finally:
                     for h in handles:

@@ -1,15 +1,18 @@
 """How many sequences the fisher allocation's sensitivity pass needs: ranks from two disjoint
-sets of 8 sequences against ranks from all 16 (SmolLM2-135M, builtin calibration text).
+sets of as many sequences as the pass reads (``calibration.sensitivity_sequences``: 8 of 256
+tokens, 4 of 512) against ranks from both sets together (SmolLM2-135M, builtin calibration text).
 
-    python bench/experiments/sensitivity_samples.py        # about 3 minutes on 2 cores
+    python bench/experiments/sensitivity_samples.py                                  # the default 64 x 512
+    python bench/experiments/sensitivity_samples.py --calib-samples 128 --calib-seq-len 256
 
-Measures each of the first 16 calibration sequences' per-layer sensitivities on its own, takes
+Measures each of the first 2n calibration sequences' per-layer sensitivities on its own, takes
 the second moments from the whole calibration set, and prints the fisher ranks at two budgets
-from the mean over sequences 0-7, 8-15 and 0-15, and the largest per-layer difference.
+from the mean over the first n, the next n and all 2n, and the largest per-layer difference.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -24,16 +27,23 @@ from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calib-samples", type=int, default=None, help="default: the options model's")
+    ap.add_argument("--calib-seq-len", type=int, default=None, help="default: the options model's")
+    args = ap.parse_args()
+    sizes = {k: v for k, v in (("calib_samples", args.calib_samples), ("calib_seq_len", args.calib_seq_len)) if v}
     source = open_source("default")
     shape = attention_shape(source.config)
     model = source.load_model(torch.float32)
-    opts = ConvertOptions(lowrank_method="rrr")  # as when it was run (the ranks do not depend on it)
+    opts = ConvertOptions(lowrank_method="rrr", **sizes)  # rrr as when it was first run (the ranks do not depend on it)
     ids = calibration_ids(source, opts, model.config.vocab_size)
+    k = calibration.sensitivity_sequences(opts.calib_seq_len)
     per_seq = torch.tensor([
         [s.sensitivity for s in calibration.collect_stats(model, ids[i : i + 1], shape, attention_samples=0,
                                                             sensitivity_samples=1, quiet=True, seed=i)]
-        for i in range(16)
-    ])  # (16 sequences, layers)
+        for i in range(2 * k)
+    ])  # (2k sequences, layers)
+    print(f"calibration {opts.calib_samples} x {opts.calib_seq_len}: two sets of {k} sequences")
     stats = calibration.collect_stats(model, ids, shape, quiet=True)
     n = source.config.num_hidden_layers
     ws = [read_attention(source, i, shape) for i in range(n)]
@@ -42,13 +52,14 @@ def main() -> None:
     for frac in (0.3125, 0.125):
         d_r, rank_budget = budget_layout(n, shape.num_kv_heads, shape.head_dim, int(frac * n * per_layer_src))
         ranks = {}
-        for name, sens in (("all 16", per_seq.mean(0)), ("0-7", per_seq[:8].mean(0)), ("8-15", per_seq[8:].mean(0))):
+        sets = {"all": per_seq.mean(0), "first": per_seq[:k].mean(0), "second": per_seq[k:].mean(0)}
+        for name, sens in sets.items():
             ms = [layer_metrics(w, dataclasses.replace(s, sensitivity=float(v))) for w, s, v in zip(ws, stats, sens)]
             ranks[name] = allocate_ranks(ws, ms, method, d_r, rank_budget, "fisher")
-        print(f"budget {frac}: ranks from all 16 sequences {ranks['all 16']}")
-        for name in ("0-7", "8-15"):
-            diff = [a - b for a, b in zip(ranks[name], ranks["all 16"])]
-            print(f"  sequences {name}: largest per-layer difference {max(map(abs, diff))}, differences {diff}")
+        print(f"budget {frac}: ranks from all {2 * k} sequences {ranks['all']}")
+        for name in ("first", "second"):
+            diff = [a - b for a, b in zip(ranks[name], ranks["all"])]
+            print(f"  {name} {k}: largest per-layer difference {max(map(abs, diff))}, differences {diff}")
 
 
 if __name__ == "__main__":

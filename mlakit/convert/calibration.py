@@ -29,14 +29,18 @@ from tqdm.auto import tqdm
 
 from ..arch.families import AttentionShape
 
-__all__ = ["ATTENTION_SAMPLES", "BATCH_SIZE", "LOGIT_ROWS", "SENSITIVITY_SAMPLES", "LayerStats", "collect_stats",
-           "layer_accumulator", "logit_gradient", "sample_rows"]
+__all__ = ["ATTENTION_SAMPLES", "ATTENTION_TOKENS", "BATCH_SIZE", "LOGIT_ROWS", "SENSITIVITY_SAMPLES", "SENSITIVITY_TOKENS",
+           "LayerStats", "attention_sequences", "collect_stats", "layer_accumulator", "logit_gradient", "sample_rows",
+           "sensitivity_sequences"]
 
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 8  # calibration sequences per forward pass
-ATTENTION_SAMPLES = 32  # sequences whose attention lag profile is measured (it converges quickly)
-SENSITIVITY_SAMPLES = 8  # sequences of the sensitivity backward pass (bench/experiments/sensitivity_samples.py)
+# Two measurements read only the first calibration sequences: at most so many sequences and at most about so many
+# tokens (``_first_sequences``). Both converge with the tokens they see, and their cost grows with the tokens (the
+# backward) or faster (the lag profile is quadratic in the sequence length), so longer sequences mean fewer of them.
+ATTENTION_SAMPLES, ATTENTION_TOKENS = 32, 8192  # the attention lag profile (it converges quickly)
+SENSITIVITY_SAMPLES, SENSITIVITY_TOKENS = 8, 2048  # the sensitivity backward pass (bench/experiments/sensitivity_samples.py)
 _SENSITIVITY_BATCH = 1  # sequences per backward pass (bounds the memory of the saved activations)
 LOGIT_ROWS = 256  # positions per LM-head chunk in the backward pass (bounds the memory of the logits)
 _QUERY_BLOCK = 64  # queries per block of the attention statistics (a block skips the keys after it)
@@ -235,16 +239,32 @@ def _forward_for_stats(model, ids: torch.Tensor, through_attention: bool) -> Non
         handle.remove()
 
 
+def _first_sequences(most: int, tokens: int, seq_len: int) -> int:
+    return max(1, min(most, tokens // seq_len))
+
+
+def attention_sequences(seq_len: int) -> int:
+    """How many calibration sequences of SEQ_LEN tokens measure the attention lag profile."""
+    return _first_sequences(ATTENTION_SAMPLES, ATTENTION_TOKENS, seq_len)
+
+
+def sensitivity_sequences(seq_len: int) -> int:
+    """How many calibration sequences of SEQ_LEN tokens run the loss-sensitivity backward pass."""
+    return _first_sequences(SENSITIVITY_SAMPLES, SENSITIVITY_TOKENS, seq_len)
+
+
 @torch.no_grad()
 def collect_stats(model, batches: torch.Tensor, shape: AttentionShape, batch_size: int = BATCH_SIZE,
-                  attention_samples: int = ATTENTION_SAMPLES, sensitivity_samples: int = 0,
+                  attention_samples: int | None = None, sensitivity_samples: int = 0,
                   device: str = "cpu", quiet: bool = False, seed: int = 0) -> list[LayerStats]:
     """Run MODEL (a transformers Llama-family causal LM) over BATCHES (N, L) and return per-layer stats.
 
-    Attention statistics (lag_p2) use the first ``attention_samples`` sequences only: they
-    converge quickly and cost O(L^2) per sequence. The first ``sensitivity_samples`` sequences
+    Attention statistics (lag_p2) use the first ``attention_samples`` sequences only (default:
+    ``attention_sequences``): they converge quickly and cost O(L^2) per sequence. The first ``sensitivity_samples`` sequences
     also run backward (with the LM head) to measure each layer's ``sensitivity``; 0 skips it.
     """
+    if attention_samples is None:
+        attention_samples = attention_sequences(batches.shape[1])
     layers = model.model.layers
     inv_freq = model.model.rotary_emb.inv_freq.detach().cpu()
     accs = [layer_accumulator(layer.self_attn, inv_freq, shape) for layer in layers]

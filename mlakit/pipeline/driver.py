@@ -16,7 +16,7 @@ the work directory with its rotary plan and the Gram matrix the error curve and 
 factorisation share (``compress.prepare_layer``); ranks are planned; the convert pass converts
 each layer from what was spilled, so that per-layer float64 work is done once.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
-layer's input for the first ``SENSITIVITY_SAMPLES`` calibration sequences, and a backward sweep
+layer's input for the first calibration sequences (``calibration.sensitivity_sequences``), and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
 the gradient down, with labels sampled from the source's own prediction (as
 ``calibration.collect_stats`` draws them in one whole-model backward pass).
@@ -58,7 +58,7 @@ from tqdm.auto import tqdm
 
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors, read_attention
-from ..convert.calibration import ATTENTION_SAMPLES, LayerStats, layer_accumulator, logit_gradient
+from ..convert.calibration import LayerStats, layer_accumulator, logit_gradient
 from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import error_curve, ranks_from_curves
@@ -210,7 +210,7 @@ class LayerDriver(RefineSteps):
                 for s in range(0, rows, c.batch_size):
                     hidden = self.store.read(slot, s, min(s + c.batch_size, rows)).to(c.device)
                     if acc is not None:
-                        acc.with_attention = s < ATTENTION_SAMPLES
+                        acc.with_attention = s < c.n_attention
                     out = run(layer, hidden)
                     if sink is not None:
                         sink.write(out)

@@ -15,7 +15,7 @@ import torch
 from ..arch import names
 from ..arch.families import attention_shape
 from ..convert.assemble import check_source_tensors, mla_config, model_shapes
-from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats
+from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats, attention_sequences
 from ..convert.engine_target import check_target_shape
 from ..convert.mla_layer import AttentionWeights
 from ..convert.rank_plan import budget_layout, uniform_ranks
@@ -170,6 +170,7 @@ class ConversionSetup:
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
         # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)
         self.n_sensitivity = sensitivity_sequences(opts, self.calib_ids.shape[0]) if self.calibrated else 0
+        self.n_attention = attention_sequences(opts.calib_seq_len)  # sequences that measure the attention lag profile
         self.batch_size = stream.batch_size
         if self.calibrated:
             sweep = None

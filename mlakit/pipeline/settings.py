@@ -14,7 +14,7 @@ import torch
 
 from ..arch.families import AttentionShape
 from ..choices import DTYPE_NAMES
-from ..convert.calibration import SENSITIVITY_SAMPLES
+from ..convert import calibration
 from ..convert.compress import Method
 from ..convert.rank_plan import ALLOCATIONS
 from ..convert.rope_select import STOCK_ROPE_METHODS, check_stock_rope_dim
@@ -123,7 +123,7 @@ def needs_sensitivity(opts: ConvertOptions) -> bool:
 
 def sensitivity_sequences(opts: ConvertOptions, n_calib: int) -> int:
     """How many of N_CALIB calibration sequences the loss-sensitivity backward pass uses (0: none)."""
-    return min(SENSITIVITY_SAMPLES, n_calib) if needs_sensitivity(opts) else 0
+    return min(calibration.sensitivity_sequences(opts.calib_seq_len), n_calib) if needs_sensitivity(opts) else 0
 
 
 def calibration_ids(source: Source, opts: ConvertOptions, vocab_size: int) -> torch.Tensor:
