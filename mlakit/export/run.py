@@ -18,6 +18,7 @@ from ..arch import names
 from ..convert.engine_target import fit_target
 from ..export_options import EXPORT_FORMATS, ExportOptions
 from ..io.output_dir import check_output, claim_output, local_paths
+from ..io.shard_stream import dtype_of_code
 from ..io.source import TOKENIZER_FILES, resolve_source
 from ..io.writer import write_json
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
@@ -46,10 +47,11 @@ class _Shards:
         from safetensors import safe_open
 
         self.directory = Path(directory)
-        self._where = {}
+        self._where, self._codes = {}, {}  # name -> its file, its stored safetensors dtype code
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
-                self._where.update(dict.fromkeys(f.keys(), path))
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    self._where[name], self._codes[name] = path, f.get_slice(name).get_dtype()
         if not self._where:
             raise ExportError(f"{self.directory} has no .safetensors weights")
 
@@ -73,8 +75,6 @@ class _Native(_Shards):
     """A native checkpoint directory: its MLAConfig and its tensors."""
 
     def __init__(self, directory: Path):
-        from safetensors import safe_open
-
         from ..mla_model.configuration_mla import MLAConfig
 
         directory = Path(directory)
@@ -89,8 +89,7 @@ class _Native(_Shards):
             )
         self.config = MLAConfig.from_pretrained(str(directory))
         super().__init__(directory)
-        with safe_open(str(self._where[names.EMBED]), framework="pt") as f:
-            self.dtype = f.get_tensor(names.EMBED).dtype  # the dtype the conversion stored
+        self.dtype = dtype_of_code(self._codes[names.EMBED])  # the dtype the conversion stored, from the header
 
 
 def read_native(directory) -> _Native:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Cursor", "ShardLayout", "ShardStreamWriter", "read_header"]
+__all__ = ["Cursor", "ShardLayout", "ShardStreamWriter", "dtype_of_code", "read_header"]
 
 _DTYPE_CODES = {
     torch.float64: "F64",
@@ -33,6 +33,11 @@ _DTYPE_CODES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+def dtype_of_code(code: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype CODE ("F32", "BF16", ...), as a header or ``get_slice`` names it."""
+    return next(dtype for dtype, c in _DTYPE_CODES.items() if c == code)
 
 
 @dataclass
