@@ -486,7 +486,14 @@ def test_smollm2_export_matches_native(tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "float32"))
-    text = "The capital of France is Paris. The quick brown fox jumps over the lazy dog, and then"
+    # long enough that the mean bf16 error over its logits is a stable measure (on the first sentence alone
+    # the native model's own bf16 error moved by 40% between two refits of about equal quality)
+    text = (
+        "The capital of France is Paris. The quick brown fox jumps over the lazy dog, and then it runs "
+        "into the forest, where the trees are tall and the light is dim. A function returns a value to "
+        "its caller; when it has no return statement, the value is None. The licence grants every "
+        "recipient the right to copy, modify and share the program, and then"
+    )
     ids = tok(text, return_tensors="pt").input_ids
     with torch.no_grad():
         model = load_converted(native, torch.float32)

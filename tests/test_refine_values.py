@@ -80,6 +80,15 @@ def test_key_span_covers_every_key_a_block_may_see():
     assert refine_values.key_span(blind[..., 4:8, :]) == slice(None)
 
 
+def test_only_the_keys_some_query_may_not_see_are_masked():
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
+    assert refine_values.first_masked_key(causal[..., 4:8, :8]) == 5  # keys 0-4 are seen by queries 4-7
+    assert refine_values.first_masked_key(causal[..., 8:12, :]) == 9
+    assert refine_values.first_masked_key(causal[..., 11:12, :]) == 12  # the last query sees every key
+    window = causal & ~torch.ones(12, 12, dtype=torch.bool).tril(-3)[None, None]
+    assert refine_values.first_masked_key(window[..., 4:8, 2:8]) == 0  # query 7 no longer sees key 2
+
+
 def test_full_rank_with_all_rope_kept_is_left_bit_exact(tiny_sources):
     block, run, x, y, _ = _case(tiny_sources, "qwen2", None, None)
     before = state_copy(block)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mlakit.convert.refit_moments import (
+    HELD_OUT_SHARE,
     VALUE_RIDGES,
     FoldMoments,
     choose_ridge,
@@ -170,11 +171,11 @@ def test_ridge_walk_finds_the_minimum_of_a_unimodal_error_with_few_fits(best):
         return 1.0 if ridge == "start" else 0.5 + (math.log10(ridge) - math.log10(best)) ** 2
 
     ridge, report = choose_ridge("start", folds, fit, VALUE_RIDGES, error)
-    assert ridge == best and report["ridge"] == best
+    assert report["ridge"] == best and ridge == report["ridge_all"] == best * HELD_OUT_SHARE
     assert report["ridges_tried"] == len(set(tried)) and (best != 1e-2 or report["ridges_tried"] <= 5)
     assert choose_ridge("start", folds, fit, VALUE_RIDGES, lambda w, m: 0.1 if w == "start" else error(w, m))[0] is None
     # from any start of the grid the walk ends at the same minimum; from the minimum itself, after 3 fits
     for first in (VALUE_RIDGES[0], 1e-3, best, VALUE_RIDGES[-1], 0.5):  # 0.5 is off the grid: the middle
-        assert choose_ridge("start", folds, fit, VALUE_RIDGES, error, first=first)[0] == best
+        assert choose_ridge("start", folds, fit, VALUE_RIDGES, error, first=first)[1]["ridge"] == best
     edge = best in (VALUE_RIDGES[0], VALUE_RIDGES[-1])
     assert choose_ridge("start", folds, fit, VALUE_RIDGES, error, first=best)[1]["ridges_tried"] == (2 if edge else 3)

@@ -48,7 +48,7 @@ _SCORE_BYTES = 1 << 28
 _QUERY_BLOCK = 32
 
 __all__ = [
-    "ValueMoments", "add_batch", "assign_values", "key_span", "latent_attention", "latent_inputs", "refit_values",
+    "ValueMoments", "add_batch", "assign_values", "first_masked_key", "key_span", "latent_attention", "latent_inputs", "refit_values",
     "value_weights",
 ]
 
@@ -84,7 +84,7 @@ def latent_attention(attn, hidden_states, position_embeddings, attention_mask=No
     T = keys.shape[-1]
     allowed = None if attention_mask is None else attention_mask.allowed  # (1 or B, 1, S, T)
     step = max(1, min(_QUERY_BLOCK, _SCORE_BYTES // (B * H * T * q.element_size())))
-    out = []
+    out = c_kv.new_empty(B, S, H, r)
     for a in range(0, S, step):
         qa = q[:, :, a : a + step]
         s = qa.shape[2]
@@ -93,9 +93,11 @@ def latent_attention(attn, hidden_states, position_embeddings, attention_mask=No
         t = k.shape[-1]
         scores = (qa.reshape(B, H * s, -1) @ k).view(B, H, s, t)
         if allowed is not None:  # a masked key weighs as under an additive finfo.min bias, as in the model
-            scores.masked_fill_(~allowed[..., a : a + s, span], torch.finfo(scores.dtype).min)
-        out.append((scores.softmax(-1).view(B, H * s, t) @ c_kv[:, span]).view(B, H, s, r))
-    return torch.cat(out, dim=2).transpose(1, 2)
+            block = allowed[..., a : a + s, span]
+            first = first_masked_key(block)  # keys before it are seen by every query: nothing to mask there
+            scores[..., first:].masked_fill_(~block[..., first:], torch.finfo(scores.dtype).min)
+        out[:, a : a + s] = (scores.softmax(-1).view(B, H * s, t) @ c_kv[:, span]).view(B, H, s, r).transpose(1, 2)
+    return out
 
 
 def key_span(allowed: torch.Tensor) -> slice:
@@ -106,6 +108,13 @@ def key_span(allowed: torch.Tensor) -> slice:
         return slice(None)
     seen = rows.any(0).nonzero()
     return slice(int(seen[0]), int(seen[-1]) + 1)
+
+
+def first_masked_key(allowed: torch.Tensor) -> int:
+    """The first key of ALLOWED (.., s, t) that some query may not see (t when every query sees every key):
+    under a causal mask only the block's last s keys, so masking the rest would be work for nothing."""
+    hidden = ~allowed.flatten(0, -2).all(0)
+    return int(hidden.nonzero()[0]) if bool(hidden.any()) else allowed.shape[-1]
 
 
 def latent_inputs(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:

@@ -155,5 +155,5 @@ class RefineSteps:
         if report["kept"] in ("o_proj refit", "adam"):
             self._write_attention(i, block, out)
         return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",
-                                       "ridges_tried", "cv_loss_start", "cv_loss_refit", "refit") if k in report}
+                                       "ridge_all", "ridges_tried", "cv_loss_start", "cv_loss_refit", "refit") if k in report}
 
