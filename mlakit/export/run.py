@@ -18,7 +18,7 @@ from ..arch import names
 from ..convert.engine_target import fit_target
 from ..export_options import EXPORT_FORMATS, ExportOptions
 from ..io.output_dir import check_output, claim_output, local_paths
-from ..io.shard_stream import dtype_of_code
+from ..io.shard_stream import dtype_of_code, read_header
 from ..io.source import TOKENIZER_FILES, resolve_source
 from ..io.writer import write_json
 from .deepseek_v3 import check_dtype, layer_tensors, legacy_rope_fields, plan_export, stock_config
@@ -47,11 +47,10 @@ class _Shards:
         from safetensors import safe_open
 
         self.directory = Path(directory)
-        self._where, self._codes = {}, {}  # name -> its file, its stored safetensors dtype code
+        self._where = {}
         for path in sorted(self.directory.glob("*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    self._where[name], self._codes[name] = path, f.get_slice(name).get_dtype()
+                self._where.update(dict.fromkeys(f.keys(), path))
         if not self._where:
             raise ExportError(f"{self.directory} has no .safetensors weights")
 
@@ -89,7 +88,8 @@ class _Native(_Shards):
             )
         self.config = MLAConfig.from_pretrained(str(directory))
         super().__init__(directory)
-        self.dtype = dtype_of_code(self._codes[names.EMBED])  # the dtype the conversion stored, from the header
+        # the dtype the conversion stored, from the embedding file's header (not its data)
+        self.dtype = dtype_of_code(read_header(self._where[names.EMBED])[names.EMBED]["dtype"])
 
 
 def read_native(directory) -> _Native:
