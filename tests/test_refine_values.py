@@ -15,7 +15,7 @@ from mlakit.arch import names
 from mlakit.convert import refine_values
 from mlakit.convert.refine import RefineSettings, attention_output
 from mlakit.convert.refine_values import ValueMoments, add_batch, latent_inputs, refit_values
-from mlakit.io.work_dir import work_dir_for
+from mlakit.io.work_dir import STORE_DTYPE, work_dir_for
 from mlakit.pipeline import driver, run_state
 from mlakit.pipeline.api import ConversionError, ConvertOptions, convert, convert_streaming
 from tests import test_streaming
@@ -243,7 +243,7 @@ def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source
     def hook(phase, index):
         if (phase, index) == ("convert", 0):
             name = "hidden-input-00000.bin" if keep_inputs else "hidden-0.bin"
-            seen["hidden"] = np.fromfile(work_dir_for(out) / name, dtype=np.float32)
+            seen["hidden"] = np.fromfile(work_dir_for(out) / name, dtype=np.int16)  # the bits of STORE_DTYPE
             seen["kept"] = sorted(p.name for p in work_dir_for(out).glob("hidden-input-*"))
 
     opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine="values")
@@ -251,7 +251,7 @@ def test_two_pass_refit_starts_the_source_stream_from_the_embeddings(deep_source
     emb = load_file(str(src / "model.safetensors"))[names.EMBED]
     n, t = CALIB["calib_samples"], CALIB["calib_seq_len"]
     ids = torch.randint(0, emb.shape[0], (n, t), generator=torch.Generator().manual_seed(0))  # calib="random"
-    assert torch.equal(torch.from_numpy(seen["hidden"]).view(n, t, -1), emb[ids].float())
+    assert torch.equal(torch.from_numpy(seen["hidden"]).view(STORE_DTYPE).view(n, t, -1), emb[ids].to(STORE_DTYPE))
     assert seen["kept"] == ([f"hidden-input-{i:05d}.bin" for i in range(5)] if keep_inputs else [])
 
 

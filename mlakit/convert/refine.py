@@ -54,7 +54,7 @@ from ..choices import REFINE_MODES
 from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds, with_one
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
-           "attention_residual", "layer_loss", "refine_layer", "run_to_attention"]
+           "attention_residual", "exact_loss", "layer_loss", "refine_layer", "run_to_attention"]
 
 REFINE_LOSSES = ("attention", "block")
 ATTENTION_PARAMS = MLA_ATTN_PROJ  # what refinement may move (all by default)
@@ -67,6 +67,14 @@ _EVAL_BATCH = 8  # sequences per no-grad forward when the loss is measured (cali
 # refit from moments on the source stream (refine_values.py); values-per-head: the same head by head,
 # then o_proj (refine_heads.py)
 REFINE_METHODS = tuple(m for m in REFINE_MODES if m not in ("auto", "none"))
+
+
+def exact_loss(dtype: torch.dtype) -> float:
+    """The largest relative loss of a start that counts as exact when its inputs and targets were rounded
+    to DTYPE (the work directory's ``STORE_DTYPE``): the rounding's own error, whose relative energy is at
+    most the squared unit roundoff (a third of it on average), or ``EXACT_LOSS``, whichever is larger. A
+    lossy start that close to its targets has nothing they could show a refit how to fix."""
+    return max(EXACT_LOSS, (torch.finfo(dtype).eps / 2) ** 2)
 
 
 @dataclass(frozen=True)
@@ -272,7 +280,7 @@ def _own_attention_weights(block) -> None:
 
 
 def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets: torch.Tensor,
-                 settings: RefineSettings, seed: int = 0, progress=None) -> dict:
+                 settings: RefineSettings, seed: int = 0, progress=None, exact: float = EXACT_LOSS) -> dict:
     """Refine BLOCK's attention in place so that f(inputs) comes closer to TARGETS (module docstring).
 
     BLOCK: a converted decoder layer (``MLALayers.layer``), float32. RUN(block, hidden): its
@@ -280,8 +288,9 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
     states entering the layer on the converted path; TARGETS (N, T, D): the source's, for
     ``settings.loss`` (``attention``: ``attention_residual`` of the source layer on the source
     path; ``block``: the source layer's output). The first ``settings.sequences`` are used.
-    PROGRESS (optional) wraps the step range (a progress bar). Returns the report:
-    loss_before, loss_after, which result was kept, steps, seconds."""
+    PROGRESS (optional) wraps the step range (a progress bar). EXACT: the start loss at or below which
+    the start is kept (``exact_loss``). Returns the report: loss_before, loss_after, which result was
+    kept, steps, seconds."""
     if inputs.shape != targets.shape or inputs.dim() != 3:
         raise ValueError(f"refine_layer needs inputs and targets of one shape (N, T, D); got "
                          f"{tuple(inputs.shape)} and {tuple(targets.shape)}")
@@ -302,7 +311,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
         else:
             before = layer_loss(block, run, inputs, targets, settings.loss)
         report["loss_before"] = before
-        if before <= EXACT_LOSS:
+        if before <= exact:
             return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
                              "seconds": round(time.time() - start, 3)}
         best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})

@@ -108,14 +108,14 @@ def _fit_heads(moments: tuple, ridge: float, prior: torch.Tensor) -> torch.Tenso
 
 @torch.no_grad()
 def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridge: float | None = None,
-                   start_o_ridge: float | None = None) -> dict:
+                   start_o_ridge: float | None = None, exact: float = EXACT_LOSS) -> dict:
     """Refit converted decoder layer BLOCK's value maps (step 1) and o_proj (step 2) in place. BATCHES() yields
     (first sequence, x, o) over the calibration sequences: the source layer's input (B, T, D) and its
     attention's o_proj input (B, T, H d); it is called once per pass. RUN(block, hidden) runs a layer.
     START_RIDGE, START_O_RIDGE: steps 1 and 2's ridges in the layer below, where their walks start (step 2's
     fits at a 7B shape are p x p solves with D right-hand sides, p = H d: each one saved counts). Returns the
     report: loss_before, loss_after (relative to sum ||y||^2), kept, the ridges and their held-out losses, or
-    why it was skipped."""
+    why it was skipped. EXACT: the start loss at or below which the start is kept (``refine.exact_loss``)."""
     start = time.time()
     attn = block.self_attn
     H, d = attn.num_heads, attn.v_head_dim
@@ -136,7 +136,7 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
     def done(kept: str, after: float, **more) -> dict:
         return report | more | {"loss_after": after, "kept": kept, "seconds": round(time.time() - start, 3)}
 
-    if before <= EXACT_LOSS:
+    if before <= exact:
         return done("start (already exact)", before)
     metric = _head_metric(w_o0, H, d)
     folds = moments.result(metric)

@@ -167,12 +167,14 @@ def assign_values(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
         o.bias = nn.Parameter(w_o[:, -1].to(o.bias.dtype).contiguous(), requires_grad=False)
 
 
-def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | None = None) -> dict:
+def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | None = None,
+                 exact: float = EXACT_LOSS) -> dict:
     """Refit BLOCK's W_UV and o_proj in place from MOMENTS (``add_batch``); returns the report:
     loss_before, loss_after (relative to the target's energy), kept, and the ridge validation
     (cv_loss_start, cv_loss_refit, ridge) or why the refit was skipped. START_RIDGE (the layer below's
     choice) is where the ridge search starts: neighbouring layers mostly pick the same or the next
-    ridge, so the walk is shorter from there."""
+    ridge, so the walk is shorter from there. EXACT: the start loss at or below which the start is kept
+    as exact (``refine.exact_loss``)."""
     start = time.time()
     attn = block.self_attn
     w_uv, w_o = value_weights(attn)
@@ -186,7 +188,7 @@ def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | N
     def done(kept: str, after: float, **more) -> dict:
         return report | more | {"loss_after": after, "kept": kept, "seconds": round(time.time() - start, 3)}
 
-    if start_loss is not None and start_loss <= EXACT_LOSS:
+    if start_loss is not None and start_loss <= exact:
         report["loss_before"] = start_loss  # measured directly; the moments' rounding is larger
         return done("start (already exact)", start_loss)
     if any(f[2] == 0 for f in folds):

@@ -2,8 +2,8 @@
 
 ``.OUT.partial-streaming`` beside OUT holds the output shards as they grow, ``state.json``
 (settings fingerprint, finished layers, the shard writer's cursor), the calibration hidden
-states after the last finished layer (two raw float32 files used in turn, so the input of the
-running layer is never overwritten), the verification streams, and, for planned allocation,
+states after the last finished layer (two raw files used in turn, so the input of the running
+layer is never overwritten; ``STORE_DTYPE``), the verification streams, and, for planned allocation,
 each layer's spilled statistics (and, when a refinement follows, the source stream as one file
 per layer instead of the two in turn, and each layer's attention outputs, removed as the convert
 pass finishes the layer). Every file a commit points
@@ -18,20 +18,29 @@ every kept hidden state, which a write to the page cache does not.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["HiddenStore", "WorkDir", "open_work_dir", "work_dir_for"]
+__all__ = ["STORE_DTYPE", "HiddenStore", "WorkDir", "open_work_dir", "work_dir_for"]
 
 log = logging.getLogger(__name__)
 
 _RESUME_PREFIXES = ("state.json", "hidden-", "verify.pt", "stats-", "sens-")
+# The calibration hidden states on disk. Every layer reads them back whole, and a two-pass plan that refines
+# keeps every layer's inputs and targets until the convert pass, so their bytes are most of a conversion's disk
+# traffic (docs/results.md, "Conversion cost"). bfloat16 halves them and keeps float32's range (a residual
+# stream can hold values float16 cannot); its rounding is far below any compression error, and a refit counts
+# a start within it as exact (``refine.exact_loss``).
+STORE_DTYPE = torch.bfloat16
+_PENDING_WRITES = 2  # chunks a writer may hold while its thread writes them (bounds its memory)
 
 
 def work_dir_for(out: Path) -> Path:
@@ -78,16 +87,18 @@ class WorkDir:
 
 
 class HiddenStore:
-    """Calibration hidden states (N, L, D) float32 in raw files (slots: two per stream, used in turn,
-    or one per layer where the source stream's inputs are kept, and the kept targets), read and
-    written by row ranges with plain file IO (no memory map, so they never count toward RSS).
+    """Calibration hidden states (N, L, D) in raw files of DTYPE (default: ``STORE_DTYPE`` when the store is
+    made; slots: two per stream, used in turn, or one per layer where the source stream's inputs are kept,
+    and the kept targets), read back as float32 by row ranges with plain file IO (no memory map, so they never count toward RSS).
     DURABLE: a closed file is synced to disk (``WorkDir.durable``)."""
 
-    def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int, durable: bool = True):
+    def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int, durable: bool = True,
+                 dtype: torch.dtype | None = None):
         self.directory = Path(directory)
         self.durable = durable
+        self.dtype = STORE_DTYPE if dtype is None else dtype
         self.shape = (n_seq, seq_len, hidden)
-        self._row_bytes = seq_len * hidden * 4
+        self._row_bytes = seq_len * hidden * self.dtype.itemsize
 
     def path(self, slot: int | str) -> Path:
         return self.directory / f"hidden-{slot}.bin"
@@ -98,34 +109,58 @@ class HiddenStore:
     def remove(self, slot: int | str) -> None:
         self.path(slot).unlink(missing_ok=True)
 
+    def round(self, hidden: torch.Tensor) -> torch.Tensor:
+        """HIDDEN as a write and a read give it back (float32): what a value computed instead of read must
+        be, so that a run gives the same result whether it keeps a value on disk or computes it again."""
+        return hidden.to(self.dtype).float()
+
     def read(self, slot: int | str, start: int, stop: int) -> torch.Tensor:
-        count = (stop - start) * self.shape[1] * self.shape[2]
-        data = np.fromfile(self.path(slot), dtype=np.float32, count=count, offset=start * self._row_bytes)
+        count = (stop - start) * self._row_bytes
+        data = np.fromfile(self.path(slot), dtype=np.uint8, count=count, offset=start * self._row_bytes)
         if data.size != count:
             raise RuntimeError(f"{self.path(slot)} is truncated; the work directory is damaged, delete it")
-        return torch.from_numpy(data).view(stop - start, *self.shape[1:])
+        return torch.from_numpy(data).view(self.dtype).float().view(stop - start, *self.shape[1:])
 
     def writer(self, slot: int | str):
         """A file to append (B, L, D) chunks to, in row order; closing syncs it when the store is durable."""
-        return _ChunkWriter(self.path(slot), self.durable)
+        return _ChunkWriter(self.path(slot), self.durable, self.dtype)
 
 
 class _ChunkWriter:
-    def __init__(self, path: Path, durable: bool):
+    """Each chunk is copied in the store's dtype at once (the caller may reuse its tensor) and written by
+    one background thread, so the layer's compute goes on while the disk takes it: a write to the page
+    cache blocks once the kernel throttles dirty pages, which a conversion's hidden states reach. A failed
+    write is raised by the next ``write`` or on closing."""
+
+    def __init__(self, path: Path, durable: bool, dtype: torch.dtype):
         self._file = open(path, "wb")  # noqa: SIM115 - closed in __exit__
         self._durable = durable
+        self._dtype = dtype
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="hidden-store")
+        self._pending = collections.deque()
 
     def write(self, chunk: torch.Tensor) -> None:
-        self._file.write(memoryview(chunk.detach().float().contiguous().cpu().numpy()))
+        data = chunk.detach().to("cpu", self._dtype, copy=True).contiguous().view(torch.uint8)
+        while len(self._pending) >= _PENDING_WRITES:
+            self._pending.popleft().result()
+        self._pending.append(self._thread.submit(self._file.write, memoryview(data.numpy())))
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self._file.flush()
-        if self._durable:
-            os.fsync(self._file.fileno())
-        self._file.close()
+    def __exit__(self, exc_type, *exc):
+        try:
+            while self._pending:
+                failed = self._pending.popleft().exception()
+                if failed is not None and exc_type is None:  # the caller's own error, if any, comes first
+                    raise failed
+            self._file.flush()
+            if self._durable:
+                os.fsync(self._file.fileno())
+        finally:
+            self._pending.clear()
+            self._thread.shutdown()
+            self._file.close()
 
 
 def _mismatch(old: dict, new: dict) -> str:

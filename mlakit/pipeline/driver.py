@@ -6,9 +6,9 @@ decoder layer, push the calibration hidden states through it in batches while th
 accumulator (``calibration.layer_accumulator``) gathers E[x~ x~^T] and the attention lag profile
 of its input, convert the attention (``convert_layer``: ``layer_metrics`` + ``compress_layer``),
 append the converted and the copied tensors to the output shards, and drop everything. The
-layer's output hidden states (on disk in the work directory, float32) feed the next layer,
-exactly as in the full model. Only the embedding lookup, one layer and the float64 math of one
-layer are ever resident.
+layer's output hidden states (on disk in the work directory, rounded to its ``STORE_DTYPE``) feed
+the next layer, exactly as in the full model. Only the embedding lookup, one layer and the float64
+math of one layer are ever resident.
 
 Planned and fisher allocation need every layer's error curve before any rank is chosen: a
 statistics pass computes each layer's metrics (``layer_metrics``) and curve and spills them to
@@ -264,7 +264,8 @@ class LayerDriver(RefineSteps):
                 tensors = self._read_layer(i)
                 if c.n_sensitivity:
                     kept = self.store.read(self._input_slot(i, SOURCE), 0, c.n_sensitivity)
-                    self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept})
+                    # in the store's dtype, which holds the read values exactly
+                    self.work.save_tensors(f"sens-{i:05d}.pt", {"hidden": kept.to(self.store.dtype)})
                 # sequential: the verification stream advances with the convert pass instead
                 stats = self._source_layer(i, tensors, verify=not self.sequential,
                                            keep=self.stream_rows if st["kept_inputs"] else 0)
@@ -297,7 +298,7 @@ class LayerDriver(RefineSteps):
                 probe = self._accumulator(layer)
                 handle = layer.self_attn.register_forward_hook(probe.probe_gradient)
                 try:
-                    kept = self.work.load_tensors(f"sens-{i:05d}.pt")["hidden"].to(c.device)
+                    kept = self.work.load_tensors(f"sens-{i:05d}.pt")["hidden"].to(c.device, torch.float32)
                     below = []
                     for s in range(kept.shape[0]):
                         x = kept[s : s + 1].requires_grad_()

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors
-from ..convert.refine import attention_and_output, attention_output, attention_residual, refine_layer
+from ..convert.refine import attention_and_output, attention_output, exact_loss, refine_layer
 from ..convert.refine_heads import refit_per_head
 from ..convert.refine_values import ValueMoments, add_batch, refit_values
 from .layer_runner import MLALayers
@@ -53,6 +53,10 @@ class RefineSteps:
         for name, t in block.self_attn.state_dict().items():
             out[prefix + name] = t.detach().to(self.c.dtype).contiguous()
 
+    def _exact(self) -> float:
+        """The start loss a refit keeps as exact: its inputs and targets come rounded from the store."""
+        return exact_loss(self.target_store.dtype)
+
     def _targets_kept(self) -> bool:
         """Whether the source run before the refinement kept the layer's targets: the statistics pass of a
         two-pass plan (with the inputs, ``kept_inputs``), or the convert pass's own run in a one-pass plan."""
@@ -83,7 +87,7 @@ class RefineSteps:
             for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
-        report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"))
+        report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"), exact=self._exact())
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "sequences": n} | report
@@ -108,7 +112,7 @@ class RefineSteps:
                     sink.write(following)
                 elif target is None:
                     target = attention_output(src_layer, self.src_layers.run, x, heads=heads)
-                yield s, x, target
+                yield s, x, self.target_store.round(target)  # as if kept (a kept one is already)
 
     def _refine_below(self) -> dict:
         """The refinement record of the layer converted before this one (empty for the first)."""
@@ -127,7 +131,7 @@ class RefineSteps:
         batches = lambda: self._source_batches(i, n, src_layer, passes.pop() if passes else False, heads=True)  # noqa: E731
         below = self._refine_below()
         report = refit_per_head(block, mla_layers.run, batches, start_ridge=below.get("ridge"),
-                                start_o_ridge=below.get("o_proj_ridge"))
+                                start_o_ridge=below.get("o_proj_ridge"), exact=self._exact())
         if report["kept"] == "values refit per head":
             self._write_attention(i, block, out)
         return {"method": "values-per-head", "sequences": n} | report
@@ -143,15 +147,17 @@ class RefineSteps:
             targets = []
             for s in range(0, n, bs):
                 x, attention = self._source_input(i, s, min(s + bs, n))
-                targets.append(attention_residual(src_layer, self.src_layers.run, x) if attention is None
-                               else x + attention)
+                if attention is None:
+                    attention = self.target_store.round(attention_output(src_layer, self.src_layers.run, x))
+                targets.append(x + attention)
             targets = torch.cat(targets)
         del src_layer
         inputs = self.store.read(self._input_slot(i, CONVERTED), 0, n).to(c.device)
         block = self._float32_layer(i, tensors, mla, mla_layers)
         report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
                               progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
-                                                          disable=c.opts.quiet, file=sys.stderr))
+                                                          disable=c.opts.quiet, file=sys.stderr),
+                              exact=self._exact())
         if report["kept"] in ("o_proj refit", "adam"):
             self._write_attention(i, block, out)
         return {k: report[k] for k in ("loss_before", "loss_after", "kept", "steps", "seconds", "ridge",

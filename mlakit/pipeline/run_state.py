@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 5  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
-# 5: layer metrics spilled, not the statistics
+STATE_VERSION = 6  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+# 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE
 
 
 @dataclass
