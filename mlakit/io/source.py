@@ -62,6 +62,7 @@ class Source:
     _tensors: dict = field(default_factory=dict, repr=False)
     _shards: dict = field(default_factory=dict, repr=False)  # name -> safetensors file
     _shapes: dict = field(default_factory=dict, repr=False)  # name -> shape, of the safetensors tensors
+    _checked: set = field(default_factory=set, repr=False)  # held tensors already found finite
     _model: object = field(default=None, repr=False)  # a dequantized GGUF model, kept for reuse
     _tokenizer: object = field(default=None, repr=False)
 
@@ -73,6 +74,7 @@ class Source:
     def add_tensors(self, tensors: dict) -> None:
         """Hold TENSORS (name -> tensor, e.g. a loaded pickle) in memory."""
         self._tensors.update(tensors)
+        self._checked.difference_update(tensors)
 
     def load_model(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         """The source as a plain transformers causal LM, in eval mode."""
@@ -109,7 +111,10 @@ class Source:
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor NAME; a NaN or infinity in it is a SourceError (naming it and the count)."""
         if name in self._tensors:
-            return _finite(self.spec, name, self._tensors[name])
+            if name not in self._checked:  # a held tensor does not change: the passes read it again and again
+                _finite(self.spec, name, self._tensors[name])
+                self._checked.add(name)
+            return self._tensors[name]
         if name not in self._shards:
             raise SourceError(f"{self.spec}: tensor {name} is missing from the checkpoint")
         from safetensors import safe_open
@@ -127,12 +132,14 @@ class Source:
         cost nothing); GGUF and pickle sources hold theirs already."""
         for name in list(self._shards):
             self._tensors[name] = self.tensor(name)
+            self._checked.add(name)
         self._shards = {}
 
     def release(self) -> None:
         """Drop the weights held in memory (GGUF sources and pickles); safetensors stay on disk."""
         self._model = None
         self._tensors = {}
+        self._checked = set()
 
     def tokenizer(self):
         """The source's tokenizer (loaded once), or None when it has no tokenizer files."""
