@@ -87,10 +87,10 @@ class WorkDir:
 
 
 class HiddenStore:
-    """Calibration hidden states (N, L, D) in raw files of DTYPE (default: ``STORE_DTYPE`` when the store is
-    made; slots: two per stream, used in turn, or one per layer where the source stream's inputs are kept,
-    and the kept targets), read back as float32 by row ranges with plain file IO (no memory map, so they never count toward RSS).
-    DURABLE: a closed file is synced to disk (``WorkDir.durable``)."""
+    """Calibration hidden states (N, L, D) in raw files of DTYPE (default: ``STORE_DTYPE`` when the store
+    is made; slots: two per stream, used in turn, or one per layer where the source stream's inputs are
+    kept, and the kept targets), read back as float32 by row ranges with plain file IO (no memory map,
+    so they never count toward RSS). DURABLE: a closed file is synced to disk (``WorkDir.durable``)."""
 
     def __init__(self, directory: Path, n_seq: int, seq_len: int, hidden: int, durable: bool = True,
                  dtype: torch.dtype | None = None):
