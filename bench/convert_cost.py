@@ -97,8 +97,6 @@ def main() -> None:
     ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timing after each run")
     ap.add_argument("--name", default="convert_cost", help="results file name (bench/results/NAME.{md,json})")
     args = ap.parse_args()
-    from mlakit.convert.calibration import sensitivity_sequences
-
     runs = []
     with tempfile.TemporaryDirectory(prefix="convert-cost-") as tmp:
         for i in range(args.runs):
@@ -109,10 +107,7 @@ def main() -> None:
             res = run_measured(cmd, Path(tmp) / f"run{i}.log")
             report = json.loads((out / "conversion.json").read_text())
             config = json.loads((out / "config.json").read_text())
-            calib = report["settings"]
-            sens = (min(sensitivity_sequences(calib["calib_seq_len"]), calib["calib_samples"])
-                    if report["plan"].get("allocation") == "fisher" else 0)
-            work = calibration_gflop(config, report, sens)
+            work = calibration_gflop(config, report, report["plan"].get("sensitivity_sequences", 0))
             runs.append(res | {
                 "peak_rss_gb": round(res.pop("peak_rss_bytes") / 1e9, 3),
                 "gemm_gflops_before": round(gflops, 1),

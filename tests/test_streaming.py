@@ -176,6 +176,7 @@ def test_streaming_sensitivities_match_the_whole_model_backward_pass(deep_source
                                                    sensitivity_samples=sensitivity_sequences(opts, ids.shape[0]),
                                                    seed=opts.seed)]
     assert len(seen["sensitivity"]) == len(want) == 5
+    assert seen["sensitivity_sequences"] == sensitivity_sequences(opts, ids.shape[0]) > 0  # what the benches read
     assert_close("sensitivity", torch.tensor(seen["sensitivity"]), torch.tensor(want), atol=0,
                  rtol=1e-5 if store == "float32" else 1e-3)
     assert len(set(want)) == 5 and min(want) > 0

@@ -177,7 +177,7 @@ def _finish(work: WorkDir, src, setup, opts, state, recipe, verify, pipeline: di
     check_shapes(config, written)
     plan = setup.plan_report | ({"ranks": state["ranks"]} if opts.kv_budget is not None else {})
     if state.get("sensitivity") is not None:
-        plan["sensitivity"] = state["sensitivity"]
+        plan |= {"sensitivity": state["sensitivity"], "sensitivity_sequences": setup.n_sensitivity}
     report = conversion_report(src, setup, opts, plan, records, pipeline)
     write_side_files(work.path, setup.source, config, opts, recipe)
     if verify is not None:
