@@ -107,12 +107,14 @@ class RefineSteps:
         with self.store.writer(self._input_slot(i + 1, SOURCE)) if advance else contextlib.nullcontext() as sink:
             for s in range(0, n, bs):
                 x, target = self._source_input(i, s, min(s + bs, n))
-                if sink is not None:
-                    target, following = attention_and_output(src_layer, self.src_layers.run, x, heads=heads)
-                    sink.write(following)
-                elif target is None:
-                    target = attention_output(src_layer, self.src_layers.run, x, heads=heads)
-                yield s, x, self.target_store.round(target)  # as if kept (a kept one is already)
+                if target is None:  # not kept (a two-pass plan advancing the stream keeps none): computed,
+                    if sink is not None:  # then rounded as a kept one already is
+                        target, following = attention_and_output(src_layer, self.src_layers.run, x, heads=heads)
+                        sink.write(following)
+                    else:
+                        target = attention_output(src_layer, self.src_layers.run, x, heads=heads)
+                    target = self.target_store.round(target)
+                yield s, x, target
 
     def _refine_below(self) -> dict:
         """The refinement record of the layer converted before this one (empty for the first)."""
