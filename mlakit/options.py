@@ -90,8 +90,9 @@ class ConvertOptions:
     lowrank_method: Annotated[
         Literal[("auto", *LOWRANK_METHODS)],
         Field(
-            description="How the latent is factorised. auto: rrr when the cache keeps at least a quarter of the "
-            "source's values, bkv_pca below (pipeline.AUTO_RRR_FROM names the bench)."
+            description="How the latent is factorised. auto: rrr where a value refit follows (--refine auto, values, "
+            "values-per-head); without one, rrr when the cache keeps at least a quarter of the source's values and "
+            "bkv_pca below (pipeline.AUTO_RRR_FROM names the bench)."
         ),
     ] = "auto"
     fold: Annotated[

@@ -237,15 +237,20 @@ def test_stock_rope_refuses_dims_and_methods_it_cannot_express(tiny_sources, tmp
 
 
 # ---- --lowrank-method auto ------------------------------------------------------------------------
-def test_auto_lowrank_is_rrr_from_a_quarter_of_the_cache_and_bkv_pca_below():
+def test_auto_lowrank_is_rrr_under_a_value_refit_and_from_a_quarter_of_the_cache_without():
     from mlakit.pipeline.api import AUTO_RRR_FROM, resolve_lowrank
 
     shape = AttentionShape("LlamaForCausalLM", 4, 2, 16, 64, False, False, None)  # 64 cached values per token per layer
     assert AUTO_RRR_FROM == 0.25
-    for budget, want in ((0.5, "rrr"), (0.25, "rrr"), (0.2, "bkv_pca"), (0.1, "bkv_pca")):
-        assert resolve_lowrank(ConvertOptions(kv_budget=budget), shape).lowrank_method == want
-    assert resolve_lowrank(ConvertOptions(kv_budget=0.1, lowrank_method="rrr"), shape).lowrank_method == "rrr"
-    uniform = dict(kv_budget=None, rope_dim=8)
+    for refine in ("none", "layer"):  # the closed form's switch
+        for budget, want in ((0.5, "rrr"), (0.25, "rrr"), (0.2, "bkv_pca"), (0.1, "bkv_pca")):
+            assert resolve_lowrank(ConvertOptions(kv_budget=budget, refine=refine), shape).lowrank_method == want
+    for refine in ("auto", "values", "values-per-head"):  # a value refit follows: rrr at any budget
+        for budget in (0.5, 0.2, 0.1):
+            assert resolve_lowrank(ConvertOptions(kv_budget=budget, refine=refine), shape).lowrank_method == "rrr"
+    assert resolve_lowrank(ConvertOptions(kv_budget=0.1, lowrank_method="rrr", refine="none"), shape).lowrank_method == "rrr"
+    assert resolve_lowrank(ConvertOptions(kv_budget=0.1, lowrank_method="bkv_pca"), shape).lowrank_method == "bkv_pca"
+    uniform = dict(kv_budget=None, rope_dim=8, refine="none")
     assert resolve_lowrank(ConvertOptions(kv_lora_rank=8, **uniform), shape).lowrank_method == "rrr"  # 16 of 64
     assert resolve_lowrank(ConvertOptions(kv_lora_rank=7, **uniform), shape).lowrank_method == "bkv_pca"
 
@@ -255,12 +260,17 @@ def test_auto_lowrank_builds_the_bkv_pca_conversion_below_a_quarter_and_says_so(
     src = str(tiny_sources["llama_gqa"])
     args = ["--kv-budget", "0.22", "--allocation", "uniform", "--calib", "random", "--calib-samples", "8",
             "--calib-seq-len", "32", "--dtype", "float32", "--pipeline", pipeline, "-q"]
-    for name, extra in (("auto", []), ("bkv", ["--lowrank-method", "bkv_pca"])):
+    for name, extra in (("auto", []), ("bkv", ["--lowrank-method", "bkv_pca"]), ("refit", ["--refine", "values"])):
         res = CliRunner().invoke(cli, ["convert", src, str(tmp_path / name), *args, *extra])
         assert res.exit_code == 0, res.output
     report = json.loads((tmp_path / "auto" / "conversion.json").read_text())
-    assert report["settings"]["lowrank_method"] == "bkv_pca"
+    # --refine auto resolves to no refit at this tiny shape, so the closed form's switch applies (the refit is
+    # resolved before the latent)
+    assert (report["settings"]["refine"], report["settings"]["lowrank_method"]) == ("none", "bkv_pca")
     assert Recipe.load(tmp_path / "auto" / "recipe.yaml").lowrank_method == "bkv_pca"
+    refit = json.loads((tmp_path / "refit" / "conversion.json").read_text())["settings"]
+    assert (refit["refine"], refit["lowrank_method"]) == ("values", "rrr")
+    assert Recipe.load(tmp_path / "refit" / "recipe.yaml").lowrank_method == "rrr"
     from safetensors.torch import load_file
 
     got, want = load_file(tmp_path / "auto" / "model.safetensors"), load_file(tmp_path / "bkv" / "model.safetensors")

@@ -22,6 +22,7 @@ from ..convert.rank_plan import budget_layout, uniform_ranks
 from ..io.fingerprint import content_fingerprint
 from ..io.shard_stream import ShardLayout
 from .settings import (
+    VALUE_REFITS,
     ConversionError,
     budget_values,
     calibration_ids,
@@ -105,13 +106,13 @@ class ConversionSetup:
         memory and its arithmetic stays within ``REFIT_WORK_SHARE`` of the layer's forward; else
         values-per-head on the same terms; else none. Each step down is logged, and the saved recipe and
         report name the refit that ran."""
-        if opts.refine not in ("auto", "values", "values-per-head"):
+        if opts.refine not in ("auto", *VALUE_REFITS):
             return opts
         if opts.refine == "auto" and not self.calibrated:
             return replace(opts, refine="none")
         rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
         reasons = []
-        for method in ("values", "values-per-head") if opts.refine == "auto" else (opts.refine,):
+        for method in VALUE_REFITS if opts.refine == "auto" else (opts.refine,):
             try:
                 check_values_refit(shape, rank, stream.max_memory, method)
             except ValueError as exc:
@@ -140,12 +141,10 @@ class ConversionSetup:
         self.shape = shape = attention_shape(cfg)
         check_target_shape(opts, shape)
         check_ranks(opts if opts.kv_budget is None else _full_ranks(opts), shape)  # fail early
-        self.opts = opts = resolve_lowrank(opts, shape)  # the report and the saved recipe name the method used
         self.n = n = cfg.num_hidden_layers
         check_source_tensors(source)
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
-        self.method = method_of(opts, shape)
         G, d = shape.num_kv_heads, shape.head_dim
         self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}
@@ -166,6 +165,9 @@ class ConversionSetup:
             self.ranks = [rank] * n
         self.calibrated = needs_calibration(opts, shape)
         self.opts = opts = self._resolve_refine(opts, shape, stream)
+        # after the refit is known (auto's latent depends on it); the report and the saved recipe name the method used
+        self.opts = opts = resolve_lowrank(opts, shape)
+        self.method = method_of(opts, shape)
         self.refine = refine_settings(opts)  # None: no layer-wise refinement
         self.calib_ids = calibration_ids(source, opts, cfg.vocab_size) if self.calibrated else None
         # sequences whose layer inputs the fisher backward sweep keeps (0: no sweep)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..options import ConvertOptions
 
 __all__ = [
-    "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "ConversionError", "budget_values", "cached_share", "calibration_ids",
+    "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "VALUE_REFITS", "ConversionError", "budget_values", "cached_share", "calibration_ids",
     "check_ranks", "effective_recipe", "method_of", "needs_calibration", "needs_sensitivity",
     "refine_settings", "resolve_allocation", "resolve_dtype", "resolve_lowrank", "sensitivity_sequences",
 ]
@@ -93,12 +93,14 @@ def resolve_allocation(opts: ConvertOptions) -> ConvertOptions:
     return replace(opts, allocation=AUTO_ALLOCATION)
 
 
-# RRR weighs key and value errors by a first-order model of the output error. It wins at large
-# budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones, most on text
-# unlike the calibration's: bench/experiments/lowrank_domains.py measures both at four budgets on
-# evaluation texts of three domains (results in docs/results.md). A measured switch point on one
-# model, not a derivation.
-AUTO_RRR_FROM = 0.25  # --lowrank-method auto: rrr from this share of the source's cached values, bkv_pca below
+# RRR weighs key and value errors by a first-order model of the output error. In the closed form alone it
+# wins at large budgets and loses to TransMLA's energy-balanced metric (BKV-PCA) at small ones, most on text
+# unlike the calibration's (bench/experiments/lowrank_domains.py): RRR keeps the keys exact at the values'
+# expense. A value refit after it (what --refine auto runs wherever it fits) refits the value maps and o_proj
+# to the latent it is given, so the latent that keeps the keys exact is the better start at every budget
+# measured (docs/results.md, "Which latent under the value refit").
+AUTO_RRR_FROM = 0.25  # --lowrank-method auto without a value refit: rrr from this share of the source's cached values
+VALUE_REFITS = ("values", "values-per-head")  # in the order --refine auto tries them
 
 
 def cached_share(opts: ConvertOptions, shape: AttentionShape) -> float:
@@ -110,10 +112,13 @@ def cached_share(opts: ConvertOptions, shape: AttentionShape) -> float:
 
 
 def resolve_lowrank(opts: ConvertOptions, shape: AttentionShape) -> ConvertOptions:
-    """OPTS with ``--lowrank-method auto`` made concrete (``AUTO_RRR_FROM``)."""
+    """OPTS with ``--lowrank-method auto`` made concrete: rrr where a value refit follows, else rrr from
+    ``AUTO_RRR_FROM`` of the source's cache and bkv_pca below. ``--refine auto`` not yet resolved counts as the
+    value refit it becomes wherever one fits (a conversion resolves it first: ``ConversionSetup``)."""
     if opts.lowrank_method != "auto":
         return opts
-    return replace(opts, lowrank_method="rrr" if cached_share(opts, shape) >= AUTO_RRR_FROM else "bkv_pca")
+    refit = opts.refine in (*VALUE_REFITS, "auto")
+    return replace(opts, lowrank_method="rrr" if refit or cached_share(opts, shape) >= AUTO_RRR_FROM else "bkv_pca")
 
 
 def needs_sensitivity(opts: ConvertOptions) -> bool:
