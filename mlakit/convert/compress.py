@@ -37,6 +37,12 @@ class Method:
     mixing: str = "pca"
     stock_rope: bool = False  # rope of the form stock DeepSeek-V3 code rotates (for the deepseek-v3 export)
 
+    @property
+    def averages_phase(self) -> bool:
+        """Whether dropped rotary components are read by phase-averaged queries (``rope_select``'s
+        docstring); TransMLA's split, reproduced as the reference, drops their rotation as it is."""
+        return self.rope != "transmla"
+
     def __post_init__(self):
         if self.rope not in ROPE_METHODS:
             raise ValueError(f"rope method {self.rope!r} is not one of {', '.join(ROPE_METHODS)}")
@@ -69,7 +75,7 @@ class LayerPrep:
 
 def prepare_layer(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> LayerPrep:
     plan = layer_plan(w, m, method, rope_dim)
-    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
+    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim, method.averages_phase)
     return LayerPrep(plan, metric_gram(nope_value_map(w, plan), m.sigma_half, metric))
 
 
@@ -100,7 +106,7 @@ def factorizer(w: AttentionWeights, m: LayerMetrics | None, method: Method, plan
     if method.lowrank == "bkv_pca":
         n_key_rows = n_rows - w.num_kv_heads * w.head_dim
         return lambda w_y: metric_factor(w_y, m.sigma_half, bkv_metric(w_y, m.sigma, n_key_rows), rank)
-    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim)
+    metric = output_metric(plan, m, w.num_heads, w.num_kv_heads, w.head_dim, method.averages_phase)
     return lambda w_y: metric_factor(w_y, m.sigma_half, metric, rank, gram)
 
 
@@ -111,4 +117,5 @@ def compress_layer(w: AttentionWeights, m: LayerMetrics | None, method: Method, 
         plan, gram = layer_plan(w, m, method, rope_dim), None
     else:
         plan, gram = prep.plan, prep.gram
-    return convert_attention(w, plan, factorizer(w, m, method, plan, rank, gram))
+    query_map = m.dropped_query_map() if m is not None and method.averages_phase else None
+    return convert_attention(w, plan, factorizer(w, m, method, plan, rank, gram), query_map)

@@ -51,6 +51,36 @@ class LayerMetrics:
         lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
         return self.lag_p2 @ (1 - torch.cos(lags[:, None] * freq.double()[None]))
 
+    def phase_mean(self, freq: torch.Tensor) -> torch.Tensor:
+        """(H, n) complex: the mean of exp(i freq lag) over the lags each head's attention weighs,
+        E[sum_s p_s^2 exp(i freq lag_s)] / E[sum_s p_s^2]. A dropped component's score term is
+        Re(z exp(i freq lag)); its query scaled by this mean gives the position-free term nearest to it
+        in the error model's weighting (the conditional mean: near 1 for a frequency that barely turns
+        within the lags attended, near 0 for one whose phase the lags scatter)."""
+        lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
+        angle = lags[:, None] * freq.double()[None]
+        p2 = self.lag_p2.double()
+        total = torch.complex(p2 @ torch.cos(angle), p2 @ torch.sin(angle))
+        return total / self.rho.double()[:, None].clamp_min(1e-300)
+
+    def averaged_reach(self, freq: torch.Tensor) -> torch.Tensor:
+        """(H, n) ``reach`` when the dropped component's query takes ``phase_mean``: half the weighted
+        variance of exp(i freq lag), (E sum p^2 - |E sum p^2 exp(i freq lag)|^2 / E sum p^2) / 2, which is
+        at most ``reach`` (the mean beats 1 as a position-free stand-in)."""
+        return 0.5 * self.rho[:, None] * (1 - self.phase_mean(freq).abs().square())
+
+    def dropped_query_map(self) -> torch.Tensor:
+        """(H, d, d): the map that multiplies each head's unrotated query at every frequency j by
+        ``phase_mean`` (rows j and j + d/2 are its real and imaginary parts), as a real block matrix."""
+        mean = self.phase_mean(self.inv_freq)  # (H, d/2)
+        H, n = mean.shape
+        j = torch.arange(n)
+        out = torch.zeros(H, 2 * n, 2 * n, dtype=torch.float64)
+        out[:, j, j] = out[:, j + n, j + n] = mean.real
+        out[:, j, j + n] = -mean.imag
+        out[:, j + n, j] = mean.imag
+        return out
+
 
 def metrics_tensors(m: LayerMetrics) -> dict[str, torch.Tensor]:
     """M as a flat dict of CPU tensors (for ``torch.save``): its fields without the cached square

@@ -142,11 +142,17 @@ def metric_factor(w_y: torch.Tensor, sigma_half: torch.Tensor, metric, rank: int
     return (m_half @ u).T @ w, m_ihalf @ u
 
 
-def output_metric(plan: RopePlan, m: LayerMetrics, num_heads: int, num_kv_heads: int, head_dim: int):
-    """M = blockdiag(M_k, M_v) over y = [dropped key components (re, im); v]."""
+def output_metric(plan: RopePlan, m: LayerMetrics, num_heads: int, num_kv_heads: int, head_dim: int,
+                  averaged: bool = True):
+    """M = blockdiag(M_k, M_v) over y = [dropped key components (re, im); v]. AVERAGED: the dropped
+    components are read by queries scaled by the phase mean (``LayerMetrics.dropped_query_map``)."""
     G, d = num_kv_heads, head_dim
     group = torch.arange(num_heads) // (num_heads // G)
-    w = (m.head_weight * m.rho)[:, None, None] * m.query_moment  # (H, d, d)
+    moment = m.query_moment
+    if averaged:
+        qmap = m.dropped_query_map()
+        moment = qmap @ moment @ qmap.transpose(1, 2)
+    w = (m.head_weight * m.rho)[:, None, None] * moment  # (H, d, d)
     q_g = torch.zeros(G, d, d, dtype=torch.float64).index_add_(0, group, w)
     C = nope_key_coefficients(plan, G, d)  # (G, d/2, n)
     n = C.shape[2]

@@ -6,7 +6,8 @@ Source maps are bias-augmented: W~ = [W | b] acts on x~ = [x; 1].
 - k_rope      = kept mixed components, rotated at their representative frequency
 - y           = [dropped mixed components (real, imag); v]  -> c_kv = down x~, y ~= up c_kv
 - q_rope_i    = sum_jl U[c, (g(i), jl)] q_{i, jl} for every kept c (scores unchanged: U is orthogonal)
-- k_nope_i[j] = sum over dropped c of U[c, (g(i), j)] m_c  (read by the unrotated q_i)
+- k_nope_i[j] = sum over dropped c of U[c, (g(i), j)] m_c  (read by the unrotated q_i, optionally
+                scaled per frequency by the mean of the phase the dropped rotation would have had)
 """
 
 from __future__ import annotations
@@ -98,8 +99,11 @@ def convert_attention(
     w: AttentionWeights,
     plan: RopePlan,
     factorize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    query_map: torch.Tensor | None = None,
 ) -> MLAWeights:
-    """Build the MLA layer; ``factorize(W_y) -> (down, up)`` chooses the latent."""
+    """Build the MLA layer; ``factorize(W_y) -> (down, up)`` chooses the latent. QUERY_MAP (H, d, d),
+    optional: applied to each head's unrotated query, which reads only the dropped components
+    (``LayerMetrics.dropped_query_map``); the rotary queries stay the source's."""
     H, G, d, f = w.num_heads, w.num_kv_heads, w.head_dim, plan.fold
     n_grp = d // 2 // plan.fold
     group = torch.arange(H) // (H // G)  # KV head read by each query head
@@ -117,7 +121,10 @@ def convert_attention(
     coef = _coefficients(plan, plan.kept, G)[:, group].permute(1, 0, 2)  # (H, n_kept, fold)
     q5 = w.q.double().view(H, 2, n_grp, f, cols)[:, :, kg]  # (H, 2, n_kept, fold, D+1)
     q_rope = torch.einsum("ipl,ihplx->ihpx", coef, q5).reshape(H, plan.rope_dim, cols)
-    q_proj = torch.cat([w.q.double().view(H, d, cols), q_rope], dim=1).reshape(H * (d + plan.rope_dim), cols)
+    q_nope = w.q.double().view(H, d, cols)
+    if query_map is not None and n_drop:
+        q_nope = query_map.double() @ q_nope
+    q_proj = torch.cat([q_nope, q_rope], dim=1).reshape(H * (d + plan.rope_dim), cols)
 
     # kv_b: NoPE key rows of KV head g gather the dropped components through C[g] (d/2 x n_drop);
     # value rows select the head's group

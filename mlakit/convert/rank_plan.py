@@ -76,7 +76,7 @@ def error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: 
     spectrum = torch.zeros(n_rows, dtype=torch.float64)
     spectrum[: s2.shape[0]] = s2
     tail = torch.cat([spectrum.flip(0).cumsum(0).flip(0), torch.zeros(1, dtype=torch.float64)])  # tail[r]
-    return rope_error(plan, w, m) + tail
+    return rope_error(plan, w, m, method.averages_phase) + tail
 
 
 def log_error_curve(w: AttentionWeights, m: LayerMetrics, method: Method, rope_dim: int) -> torch.Tensor:

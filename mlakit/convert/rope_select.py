@@ -12,6 +12,11 @@ Methods, all restricted to one shared rope key of d_R dims so they are comparabl
                 frequency (calibrated attention lag profile). With folding, the phase error of
                 rotating at one representative frequency is charged against the gain.
 
+Every method but ``transmla`` is paired with the phase average (``averaged=True`` below): a dropped
+component's unrotated query is scaled by the mean of its phase over the lags attended
+(``LayerMetrics.phase_mean``, applied in ``mla_layer.convert_attention``), and its drop is charged the
+phase's variance (``averaged_reach``) instead of its distance from lag 0 (``reach``).
+
 ``stock=True`` (scored and transmla) restricts a plan to the form stock DeepSeek-V3 code can
 rotate: one component per group of ``fold`` frequencies, rotating at the group's first
 (highest) frequency, so the kept frequencies are {0, k, 2k, ...} and one rope table with a
@@ -62,9 +67,9 @@ def pca_mixing(cov: torch.Tensor) -> torch.Tensor:
     return vecs.flip(-1).transpose(-1, -2).contiguous()
 
 
-def _group_weights(m: LayerMetrics, freq: torch.Tensor, G: int, fold: int, group: torch.Tensor) -> torch.Tensor:
-    """(groups, G*fold): sum over query heads of KV head g of weight_i E|q_ij|^2 reach_i(freq_j)."""
-    per_head = m.head_weight[:, None] * m.query_energy * m.reach(freq)  # (H, d/2)
+def _group_weights(m: LayerMetrics, reach: torch.Tensor, G: int, fold: int, group: torch.Tensor) -> torch.Tensor:
+    """(groups, G*fold): sum over query heads of KV head g of weight_i E|q_ij|^2 REACH[i, j]."""
+    per_head = m.head_weight[:, None] * m.query_energy * reach  # (H, d/2)
     per_kv = torch.zeros(G, per_head.shape[1], dtype=torch.float64).index_add_(0, group, per_head)
     n_grp = per_kv.shape[1] // fold
     return per_kv.view(G, n_grp, fold).permute(1, 0, 2).reshape(n_grp, G * fold)
@@ -79,27 +84,29 @@ def _plan_from_costs(U, gain, rep, n_keep, fold):
 
 
 def component_costs(U: torch.Tensor, fold: int, w: AttentionWeights, m: LayerMetrics,
-                    cov: torch.Tensor | None = None):
+                    cov: torch.Tensor | None = None, averaged: bool = True):
     """Predicted output error of each mixed component (groups, comps): ``drop`` if it loses its
-    rotation, ``keep[..., jl]`` if it rotates at the group's frequency jl instead of its own."""
+    rotation (its query scaled by the phase mean when AVERAGED), ``keep[..., jl]`` if it rotates at the
+    group's frequency jl instead of its own."""
     G, H = w.num_kv_heads, w.num_heads
     group = torch.arange(H) // (H // G)
     if cov is None:  # callers that already have key_group_covariance(w, m.sigma, fold) pass it
         cov = key_group_covariance(w, m.sigma, fold)
     energy = torch.einsum("nca,nab,ncb->nc", U, cov, U)  # E|m_c|^2
     u2 = U.square()  # (groups, comps, G*fold)
-    drop = energy * torch.einsum("nca,na->nc", u2, _group_weights(m, m.inv_freq, G, fold, group))
+    drop_reach = m.averaged_reach(m.inv_freq) if averaged else m.reach(m.inv_freq)
+    drop = energy * torch.einsum("nca,na->nc", u2, _group_weights(m, drop_reach, G, fold, group))
     theta = m.inv_freq.view(U.shape[0], fold)
     keep = []
     for star in range(fold):
         mismatch = (m.inv_freq - theta[:, star].repeat_interleave(fold)).abs()
-        keep.append(energy * torch.einsum("nca,na->nc", u2, _group_weights(m, mismatch, G, fold, group)))
+        keep.append(energy * torch.einsum("nca,na->nc", u2, _group_weights(m, m.reach(mismatch), G, fold, group)))
     return drop, torch.stack(keep, dim=-1)
 
 
-def rope_error(plan: RopePlan, w: AttentionWeights, m: LayerMetrics) -> float:
+def rope_error(plan: RopePlan, w: AttentionWeights, m: LayerMetrics, averaged: bool = True) -> float:
     """Predicted output error of a plan: dropped components plus the phase error of kept ones."""
-    drop, keep = component_costs(plan.mixing.double(), plan.fold, w, m)
+    drop, keep = component_costs(plan.mixing.double(), plan.fold, w, m, averaged=averaged)
     total = sum(float(drop[g, c]) for c, g in plan.dropped)
     total += sum(float(keep[g, c, j - g * plan.fold]) for (c, g), j in zip(plan.kept, plan.freq_index))
     return total

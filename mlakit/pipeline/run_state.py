@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 6  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
-# 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE
+STATE_VERSION = 7  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+# 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
+# 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change)
 
 
 @dataclass
