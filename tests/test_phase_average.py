@@ -13,6 +13,7 @@ import torch
 from mlakit.convert.calibration import LayerStats
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
+from mlakit.convert.mla_layer import AttentionWeights
 from mlakit.convert.rope_select import rope_error, select_rope
 from tests.tiny_models import assert_close
 
@@ -22,8 +23,6 @@ FULL_RANK = 2 * G * d  # no rotary component kept: the latent holds every key an
 
 def _layer(lag_p2: torch.Tensor):
     torch.manual_seed(0)
-    from mlakit.convert.mla_layer import AttentionWeights
-
     w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
                          o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
     x = torch.cat([torch.randn(300, D), torch.ones(300, 1)], 1).double()
