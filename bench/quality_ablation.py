@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--calib-samples", type=int, default=None, help="default: the options model's")
     ap.add_argument("--calib-seq-len", type=int, default=None, help="default: the options model's")
     ap.add_argument("--calib-data", default=None, help="calibration text SPEC (default: the options model's)")
+    ap.add_argument("--seed", type=int, default=None, help="the conversion's seed, which draws the calibration "
+                    "windows (default: the options model's)")
     ap.add_argument("--rope-dim", type=int, default=None, help="shared d_R of every row (default: ROPE_SHARE of the budget)")
     ap.add_argument("--lowrank-method", default=None, help="latent factorisation of every row but the TransMLA one "
                     "(default: the options model's, auto)")
@@ -125,7 +127,8 @@ def main():
         for name in order:
             overrides, sequential = ROWS[name]
             extra = {k: v for k, v in (("calib_samples", args.calib_samples), ("calib_seq_len", args.calib_seq_len),
-                                       ("rope_dim", args.rope_dim), ("calib", args.calib_data)) if v}
+                                       ("rope_dim", args.rope_dim), ("calib", args.calib_data),
+                                       ("seed", args.seed)) if v is not None}
             if args.lowrank_method and "lowrank_method" not in overrides:
                 extra["lowrank_method"] = args.lowrank_method
             opts = ConvertOptions(kv_budget=budget, quiet=True, **overrides, **extra)
@@ -156,6 +159,7 @@ def main():
             "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
             "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "rope_dim": args.rope_dim,
             "lowrank_method": args.lowrank_method, "calib_data": args.calib_data or ConvertOptions().calib,
+            "seed": ConvertOptions().seed if args.seed is None else args.seed,
             "seconds": round(time.time() - t0)}
     (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (args.out / "ablation.md").write_text(render(meta, results, names))
@@ -167,7 +171,8 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
     budgets = sorted({r["budget"] for r in results}, reverse=True)
     per_text = ", ".join(f"{t}: {meta['eval_tokens'][t]} tokens, source ppl {meta['source_ppl'][t]:.3f}" for t in texts)
     lines = [f"Perplexity ratio (converted / source) of {meta['source']} converted by `run_conversion` (in memory), "
-             f"calibration {meta.get('calib_data', 'builtin')} {meta['calib_samples']} x {meta['calib_seq_len']}; "
+             f"calibration {meta.get('calib_data', 'builtin')} {meta['calib_samples']} x {meta['calib_seq_len']}"
+             f" (seed {meta.get('seed', 0)}); "
              + (f"d_R {meta['rope_dim']} in every row; " if meta.get("rope_dim") else "")
              + (f"--lowrank-method {meta['lowrank_method']} in every row but TransMLA's; " if meta.get("lowrank_method") else "") +
              f"{per_text}; "
