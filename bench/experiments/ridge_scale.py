@@ -11,16 +11,10 @@ Every argument goes to bench/quality_ablation.py.
 from __future__ import annotations
 
 import os
-import runpy
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+from ablation_run import run_ablation  # noqa: E402 (first: it puts this checkout on sys.path)
 
 import mlakit.convert.refit_moments as refit_moments  # noqa: E402
 
 refit_moments.HELD_OUT_SHARE *= float(os.environ.get("RIDGE_SCALE", "4"))
-sys.argv = [str(BENCH / "quality_ablation.py"), *sys.argv[1:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
+run_ablation()

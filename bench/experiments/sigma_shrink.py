@@ -14,15 +14,9 @@ Every argument goes to bench/quality_ablation.py.
 from __future__ import annotations
 
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
-
-BENCH = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+from ablation_run import run_ablation  # noqa: E402 (first: it puts this checkout on sys.path)
 
 import mlakit.pipeline.driver as driver  # noqa: E402
 
@@ -40,5 +34,4 @@ def shrunk_metrics(w, stats):
 
 
 driver.layer_metrics = shrunk_metrics
-sys.argv = [str(BENCH / "quality_ablation.py"), *sys.argv[1:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
+run_ablation()
