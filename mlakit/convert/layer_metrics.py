@@ -48,8 +48,12 @@ class LayerMetrics:
 
     def reach(self, freq: torch.Tensor) -> torch.Tensor:
         """(H, n) E[sum_s p_s^2 (1 - cos(freq * lag))]: the weight of a phase error growing at FREQ."""
+        return self.lag_p2 @ (1 - torch.cos(self._lag_angles(freq)))
+
+    def _lag_angles(self, freq: torch.Tensor) -> torch.Tensor:
+        """(L, n) the angle FREQ turns through at each lag of the profile."""
         lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
-        return self.lag_p2 @ (1 - torch.cos(lags[:, None] * freq.double()[None]))
+        return lags[:, None] * freq.double()[None]
 
     def phase_mean(self, freq: torch.Tensor) -> torch.Tensor:
         """(H, n) complex: the mean of exp(i freq lag) over the lags each head's attention weighs,
@@ -57,8 +61,7 @@ class LayerMetrics:
         Re(z exp(i freq lag)); its query scaled by this mean gives the position-free term nearest to it
         in the error model's weighting (the conditional mean: near 1 for a frequency that barely turns
         within the lags attended, near 0 for one whose phase the lags scatter)."""
-        lags = torch.arange(self.lag_p2.shape[1], dtype=torch.float64)
-        angle = lags[:, None] * freq.double()[None]
+        angle = self._lag_angles(freq)
         p2 = self.lag_p2.double()
         total = torch.complex(p2 @ torch.cos(angle), p2 @ torch.sin(angle))
         return total / self.rho.double()[:, None].clamp_min(1e-300)
