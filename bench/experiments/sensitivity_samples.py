@@ -2,7 +2,7 @@
 sets of as many sequences as the pass reads (``calibration.sensitivity_sequences``: 8 of 256
 tokens, 4 of 512) against ranks from both sets together (SmolLM2-135M, builtin calibration text).
 
-    python bench/experiments/sensitivity_samples.py                                  # the default 64 x 512
+    python bench/experiments/sensitivity_samples.py --calib-samples 64               # 64 x 512 (session 21)
     python bench/experiments/sensitivity_samples.py --calib-samples 128 --calib-seq-len 256
 
 Measures each of the first 2n calibration sequences' per-layer sensitivities on its own, takes
