@@ -58,6 +58,10 @@ ROWS = {
     # the same rank in every layer: one pass over the calibration set (no statistics pass, no sensitivity sweep)
     "+ value refit, uniform ranks (--refine values --allocation uniform)": (
         {"refine": "values", "allocation": "uniform"}, False),
+    # the value refit on the source's own hidden states: one forward less, blind to the layers below (the
+    # default until 2026-12-05)
+    "+ value refit on the source stream (--refine values --refine-inputs source)": (
+        {"refine": "values", "refine_inputs": "source"}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {

@@ -12,6 +12,7 @@ __all__ = [
     "MIN_CALIB_SEQ_LEN",
     "MIXINGS",
     "ROPE_METHODS",
+    "REFINE_INPUTS",
     "REFINE_MODES",
     "ROPE_SCALING_POLICIES",
     "STOCK_ROPE_METHODS",
@@ -31,6 +32,10 @@ TARGETS = ("any", "vllm")  # engines a conversion can be planned for (convert.en
 # layer; auto is values where the conversion compresses and its joint solve fits the memory and the
 # arithmetic share (pipeline.stream_memory.REFIT_WORK_SHARE), else values-per-head where that fits, else none
 REFINE_MODES = ("auto", "none", "layer", "values", "values-per-head")
+# which hidden states a refinement reads: the converted model's (the layers below already converted, so the
+# layer learns to compensate their error) or the source's own; auto: converted for layer and values,
+# source for values-per-head (its targets are each source head's output, which has no residual to compensate)
+REFINE_INPUTS = ("auto", "converted", "source")
 HEAL_TRAIN_CHOICES = ("attention", "all")  # what `heal --train` trains (heal.schedule.select_trainable)
 
 # The rotary selection weighs each component by its attention at every query-key distance

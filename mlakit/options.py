@@ -25,6 +25,7 @@ from .choices import (
     LOWRANK_METHODS,
     MIN_CALIB_SEQ_LEN,
     MIXINGS,
+    REFINE_INPUTS,
     REFINE_MODES,
     ROPE_METHODS,
     STOCK_ROPE_METHODS,
@@ -37,7 +38,7 @@ __all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError"]
 # Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
 RECIPE_FIELDS = (
     "kv_lora_rank", "rope_dim", "kv_budget", "allocation", "rope_method", "lowrank_method", "fold", "mixing",
-    "stock_rope", "target", "refine", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
+    "stock_rope", "target", "refine", "refine_inputs", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
     "calib", "calib_samples", "calib_seq_len", "dtype",
 )  # fmt: skip
 
@@ -133,10 +134,20 @@ class ConvertOptions:
             "output; never raises a layer's calibration loss; the cache is unchanged. layer: from the hidden states "
             "the converted layers below it produce (error-compensating), o_proj by least squares, then "
             "--refine-epochs of Adam. values: each head's value map and o_proj jointly, by least squares from "
-            "moments gathered on the source's own hidden states (no converted-stream forward). values-per-head: "
-            "the same head by head, then o_proj (two passes; small moments at any model size). auto: values where "
+            "moments gathered on the stream --refine-inputs names. values-per-head: the same head by head on the "
+            "source's stream, then o_proj (two passes; small moments at any model size). auto: values where "
             "the conversion compresses and one layer's joint solve fits the memory limit and costs at most 1.5x the "
             "layer's calibration forward in arithmetic, else values-per-head on the same terms, else none (logged)."
+        ),
+    ] = "auto"
+    refine_inputs: Annotated[
+        Literal[REFINE_INPUTS],
+        Field(
+            description="The hidden states a refinement reads. converted: those the converted layers below "
+            "produce, fitted toward the source's attention output plus the error they left, so each layer "
+            "compensates it (one more forward of the converted layer over the refit's sequences). source: the "
+            "source's own (values and values-per-head; no converted forward, less exact on the converted model). "
+            "auto: converted for layer and values, source for values-per-head."
         ),
     ] = "auto"
     refine_epochs: Annotated[
@@ -225,6 +236,14 @@ class ConvertOptions:
                 f"is {'at most a' if self.refine == 'auto' else 'a'} closed-form refit: drop --refine-epochs or "
                 f"use --refine layer"
             )
+        if self.refine_inputs != "auto":
+            clash = {"none": "--refine none refines nothing", "layer": "--refine layer always reads the converted "
+                     "stream", "values-per-head": "--refine values-per-head fits each source head's own output, "
+                     "which has no residual error to compensate: it reads the source stream"}
+            wanted = {"layer": "converted", "values-per-head": "source", "none": None}
+            if self.refine in wanted and wanted[self.refine] != self.refine_inputs:
+                raise ValueError(f"--refine-inputs {self.refine_inputs} with --refine {self.refine}: "
+                                 f"{clash[self.refine]}; drop --refine-inputs or pick another --refine")
         return self
 
 

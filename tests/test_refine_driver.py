@@ -106,6 +106,10 @@ def test_cli_refine_flags_reach_the_report_and_the_saved_recipe(tiny_sources, tm
     (["--refine", "adam"], "'adam' is not one of 'auto', 'none', 'layer'"),
     (["--refine", "layer", "--refine-lr", "2"], "--refine-lr"),
     (["--refine", "layer", "--refine-batch", "0"], "--refine-batch"),
+    (["--refine", "layer", "--refine-inputs", "source"], "--refine layer always reads the converted stream"),
+    (["--refine", "values-per-head", "--refine-inputs", "converted"], "it reads the source stream"),
+    (["--refine", "none", "--refine-inputs", "converted"], "--refine none refines nothing"),
+    (["--refine", "values", "--refine-inputs", "both"], "'both' is not one of 'auto', 'converted', 'source'"),
 ])
 def test_cli_refine_errors_name_the_flag(tiny_sources, tmp_path, args, message):
     code, text = run(tiny_sources["llama_gqa"], tmp_path / "out", *fast_args(), *args)

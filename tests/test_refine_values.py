@@ -173,9 +173,10 @@ CALIB = dict(calib="random", calib_samples=48, calib_seq_len=32, dtype="float32"
 @pytest.mark.parametrize(
     "setting", [dict(kv_lora_rank=20, rope_dim=8), dict(kv_budget=0.4, allocation="fisher")]
 )
-@pytest.mark.parametrize("refine", ["values", "values-per-head"])
+@pytest.mark.parametrize("refine", [dict(refine="values"), dict(refine="values", refine_inputs="source"),
+                                    dict(refine="values-per-head")])
 def test_values_refit_is_the_same_in_memory_and_streaming(tiny_sources, tmp_path, family, setting, refine):
-    opts = ConvertOptions(**setting, **CALIB, refine=refine)
+    opts = ConvertOptions(**setting, **CALIB, **refine)
     mem = convert(str(tiny_sources[family]), tmp_path / "mem", opts)
     got = convert_streaming(str(tiny_sources[family]), tmp_path / "stream", opts)
     assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
@@ -189,14 +190,36 @@ def test_values_refit_is_the_same_in_memory_and_streaming(tiny_sources, tmp_path
     assert all((a[k] == b[k]).all() for k in a if not (".kv_b_proj." in k or ".o_proj." in k))
 
 
-def test_values_refit_at_full_cache_stays_bit_exact(tiny_sources, tmp_path):
+@pytest.mark.parametrize("inputs", ["converted", "source"])
+def test_values_refit_at_full_cache_stays_bit_exact(tiny_sources, tmp_path, inputs):
     base = dict(kv_budget=1.0, rope_dim=32, allocation="uniform", **CALIB)  # 2 KV heads x head_dim 16
-    report = convert(
-        str(tiny_sources["llama_gqa"]), tmp_path / "refined", ConvertOptions(**base, refine="values")
-    )
+    report = convert(str(tiny_sources["llama_gqa"]), tmp_path / "refined",
+                     ConvertOptions(**base, refine="values", refine_inputs=inputs))
     convert(str(tiny_sources["llama_gqa"]), tmp_path / "plain", ConvertOptions(**base, refine="none"))
     assert_same_bytes(tmp_path / "refined", tmp_path / "plain")
     assert all(r["refine"]["kept"].startswith("start (already exact)") for r in report["layers"])
+
+
+def test_values_refit_on_the_converted_stream_compensates_the_layers_below(tiny_sources, tmp_path):
+    """Layer 0 sees the same embeddings on both streams, so both refits of it are the same; every later layer
+    reads the converted stream, whose target carries the gap the layers below left: it starts from another
+    loss, and its refit differs from the source-stream one."""
+    base = dict(kv_lora_rank=20, rope_dim=8, **CALIB, refine="values")
+    got, reports = {}, {}
+    for inputs in ("converted", "source"):
+        reports[inputs] = convert(str(tiny_sources["qwen2"]), tmp_path / inputs,
+                                  ConvertOptions(**base, refine_inputs=inputs))["layers"]
+        assert all(r["refine"]["inputs"] == inputs for r in reports[inputs])
+        assert all(r["refine"]["loss_after"] <= r["refine"]["loss_before"] for r in reports[inputs])
+        got[inputs] = checkpoint_tensors(tmp_path / inputs)
+    before = [[r["refine"]["loss_before"] for r in reports[k]] for k in ("converted", "source")]
+    assert before[0][0] == before[1][0] and all(a != b for a, b in zip(before[0][1:], before[1][1:])), before
+    refitted = [[k for k in got["source"] if k.startswith(names.attn_prefix(i)) and (".kv_b_proj." in k or ".o_proj." in k)]
+                for i in range(len(before[0]))]
+    assert all(torch.equal(got["converted"][k], got["source"][k]) for k in refitted[0])
+    assert any(not torch.equal(got["converted"][k], got["source"][k]) for ks in refitted[1:] for k in ks)
+    recipe = yaml.safe_load((tmp_path / "converted" / "recipe.yaml").read_text())
+    assert (recipe["refine"], recipe["refine_inputs"]) == ("values", "converted")
 
 
 def test_cli_refine_values_reaches_the_report_and_the_saved_recipe(tiny_sources, tmp_path):
@@ -303,6 +326,33 @@ def test_auto_is_the_value_refit_where_it_fits_and_none_elsewhere(tiny_sources, 
         convert(src, tmp_path / "refused", ConvertOptions(**setting, refine="values"))
 
     lossless = convert(src, tmp_path / "full", ConvertOptions(kv_lora_rank="full", rope_dim="full", quiet=True))
+    assert lossless["settings"]["refine"] == "none"
+
+
+def test_auto_reads_the_stream_its_refit_reads(tiny_sources, tmp_path, caplog, monkeypatch):
+    """--refine-inputs auto becomes converted under the joint refit and source under the per-head one (each
+    named in the saved recipe); asked for converted, auto skips the per-head refit, which cannot read it, and
+    a lossless conversion (nothing to refit) keeps the flag without an error."""
+    src, setting = str(tiny_sources["qwen2"]), dict(kv_budget=0.4, allocation="uniform", **CALIB)
+    joint = convert(src, tmp_path / "joint", ConvertOptions(**setting))
+    assert (joint["settings"]["refine"], joint["settings"]["refine_inputs"]) == ("values", "converted")
+
+    def joint_too_large(shape, rank, max_memory, method):
+        if method == "values":
+            raise ValueError("--refine values solves for all heads' latents at once: too large here")
+
+    monkeypatch.setattr(run_state, "check_values_refit", joint_too_large)
+    monkeypatch.setattr(run_state, "REFIT_WORK_SHARE", 1e9)  # a tiny model's per-head refit costs more than its share
+    per_head = convert(src, tmp_path / "per-head", ConvertOptions(**setting))
+    assert (per_head["settings"]["refine"], per_head["settings"]["refine_inputs"]) == ("values-per-head", "source")
+    recipe = yaml.safe_load((tmp_path / "per-head" / "recipe.yaml").read_text())
+    assert (recipe["refine"], recipe["refine_inputs"]) == ("values-per-head", "source")
+    caplog.set_level("INFO", logger="mlakit.pipeline.run_state")
+    converted = convert(src, tmp_path / "converted", ConvertOptions(**setting, refine_inputs="converted"))
+    assert converted["settings"]["refine"] == "none"
+    assert "values-per-head reads the source stream, and --refine-inputs converted was asked for" in caplog.text
+    lossless = convert(src, tmp_path / "full", ConvertOptions(kv_lora_rank="full", rope_dim="full", quiet=True,
+                                                              refine_inputs="converted"))
     assert lossless["settings"]["refine"] == "none"
 
 

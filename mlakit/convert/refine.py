@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..arch.names import MLA_ATTN_PROJ
-from ..choices import REFINE_MODES
+from ..choices import REFINE_INPUTS, REFINE_MODES
 from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds, with_one
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
@@ -82,6 +82,9 @@ class RefineSettings:
     """How one layer is refined. Steps follow from the data: ``ceil(epochs * sequences / batch)``."""
 
     method: str = "layer"  # REFINE_METHODS
+    # REFINE_INPUTS: the hidden states the refinement reads; auto becomes what METHOD reads by default
+    # (choices.REFINE_INPUTS)
+    inputs: str = "auto"
     loss: str = "attention"  # REFINE_LOSSES
     sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
     # Adam passes over those sequences; 0: the o_proj refit only, which gets most of the gain at a
@@ -95,6 +98,13 @@ class RefineSettings:
     def __post_init__(self):
         if self.method not in REFINE_METHODS:
             raise ValueError(f"refine method {self.method!r} is not one of {', '.join(REFINE_METHODS)}")
+        if self.inputs not in REFINE_INPUTS:
+            raise ValueError(f"refine inputs {self.inputs!r} is not one of {', '.join(REFINE_INPUTS)}")
+        if self.inputs == "auto":
+            object.__setattr__(self, "inputs", "source" if self.method == "values-per-head" else "converted")
+        needs = {"layer": "converted", "values-per-head": "source"}.get(self.method)
+        if needs not in (None, self.inputs):
+            raise ValueError(f"refine method {self.method} reads the {needs} stream, not the {self.inputs} one")
         if self.method != "layer" and self.epochs:
             raise ValueError(f"refine epochs (Adam steps) apply to --refine layer; --refine {self.method} is a "
                              "closed-form refit: drop --refine-epochs or use --refine layer")

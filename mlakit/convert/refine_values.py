@@ -2,14 +2,11 @@
 
 After the closed form, each head's value map W_UV_h (the value rows of ``kv_b_proj``) and
 ``o_proj`` are refitted so that the converted attention's output matches the source layer's
-attention output (math and algebra: ``refit_moments``). The inputs are the SOURCE's hidden states
-of the layer (the converted layer is fed what the source layer was fed), not the converted
-model's: the fit then needs no forward of the converted model below the layer, only the
-attention-weighted latents a_h (``latent_attention``) and the source attention's
-output over the calibration sequences, gathered as second moments (``add_batch``). Inputs from the
-converted stream (compensating the error of the layers below, as ``--refine layer`` does) fitted the
-calibration text better but unseen text worse in an earlier implementation of this refit; that
-variant is not implemented here and was not re-measured.
+attention output (math and algebra: ``refit_moments``). The fit needs only the attention-weighted
+latents a_h (``latent_attention``) of the layer's inputs and its targets, gathered as second
+moments (``add_batch``). Which inputs and targets is the driver's choice (``pipeline.refine_steps``):
+the converted model's hidden states, with the target corrected for the error the layers below left
+(the default), or the source's own, which need no forward of the converted model.
 
 Only W_UV and o_proj change: the latent, the rotary key, the scores and so the cache stay as the
 closed form made them. The refit is skipped when the start is already exact (the full-rank
@@ -133,8 +130,8 @@ def add_batch(
     target: torch.Tensor,
     first: int,
 ) -> None:
-    """Add sequences FIRST .. of HIDDEN (B, T, D) (the source layer's input) and TARGET (B, T, D) (the
-    source attention's output on it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias)."""
+    """Add sequences FIRST .. of HIDDEN (B, T, D) (the layer's input) and TARGET (B, T, D) (what its attention
+    should add to it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias)."""
     a = latent_inputs(block, run, hidden).float()
     a = a.reshape(*a.shape[:2], -1)  # (B, T, H r)
     a = with_one(a, block.self_attn.o_proj.bias is not None)

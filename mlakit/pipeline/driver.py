@@ -25,14 +25,16 @@ With ``StreamOptions.sequential`` the driver keeps two hidden-state streams, the
 the converted model's: layer i's statistics are taken on the converted stream, the output of the
 converted layers 0..i-1 (layer 0's input is the same embedding on both).
 
-With ``--refine layer`` it keeps both streams too: after the closed form, each converted layer is
-refined (``refine.refine_layer``) from its inputs on the converted stream toward the source
-layer's attention output on the source stream, so it compensates the error the layers below it
-left; the refined layer is the one written and the one the converted stream runs through.
-``--refine values`` needs the source stream only: each converted layer's value maps and o_proj
-are refitted (``refine_values``) from moments of its attention-weighted latents on the source
-layer's own input, against the source attention's output on it; ``--refine values-per-head`` does
-the same head by head against each source head's own output, then o_proj (``refine_heads``). In a
+A refinement that reads the converted stream (``--refine layer``, and ``--refine values`` unless
+``--refine-inputs source``) keeps both streams too: after the closed form, each converted layer is
+refitted from its inputs on the converted stream toward the source layer's attention output on the
+source stream plus the gap between the two streams' inputs, so it compensates the error the layers
+below it left; the refined layer is the one written and the one the converted stream runs through.
+``--refine layer`` refits o_proj (and may train the attention: ``refine.refine_layer``), ``--refine
+values`` each head's value map and o_proj jointly from moments of the attention-weighted latents
+(``refine_values``). With ``--refine-inputs source`` the value refit reads the source stream only,
+against the source attention's output on the source layer's own input; ``--refine values-per-head``
+does that head by head against each source head's own output, then o_proj (``refine_heads``). In a
 two-pass plan that refines, the statistics pass keeps each layer's source inputs and attention
 outputs (o_proj's inputs for the per-head refit) on disk when they fit (``KEEP_INPUTS_SHARE``), so
 the convert pass does not run the source stream again; in a one-pass plan that refines, the source
@@ -105,9 +107,9 @@ class LayerDriver(RefineSteps):
         self.src_layers = SourceLayers(src.config, setup.shape.window, setup.device)
         self.n_calib = 0 if setup.calib_ids is None else setup.calib_ids.shape[0]
         self.refining = setup.refine is not None and self.n_calib > 0
-        # a converted hidden-state stream beside the source's: sequential statistics or the inputs of
-        # --refine layer (--refine values reads the source stream only)
-        self.two_streams = self.sequential or (self.refining and setup.refine.method == "layer")
+        # a converted hidden-state stream beside the source's: sequential statistics or the inputs of a
+        # refinement that reads it (--refine-inputs converted)
+        self.two_streams = self.sequential or (self.refining and setup.refine.inputs == "converted")
         # sequences the converted stream (and, in the convert pass of a two-pass plan, the source
         # stream) must carry: all for sequential statistics, else only those refinement reads
         self.stream_rows = self.n_calib if self.sequential or not self.refining else setup.refine.used(self.n_calib)
@@ -359,7 +361,7 @@ class LayerDriver(RefineSteps):
                         stats = self._spilled(i)
                         if self.refining and c.refine.method == "layer" and not st.get("kept_inputs"):
                             self._advance_source(i, tensors)  # the source stream carries the targets
-                            # (--refine values advances it itself)
+                            # (the value refits advance it themselves)
                     else:
                         stats = self._source_layer(i, tensors, keep=self.stream_rows if self.one_pass_keeps else 0)
                     out, record = self.convert_layer(i, tensors, stats, ranks[i], mla_layers)

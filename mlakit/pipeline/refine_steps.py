@@ -1,12 +1,14 @@
 """The refinement steps of the layer driver (``driver.LayerDriver`` inherits them).
 
 After the closed form has built converted layer i, ``--refine values`` refits its value maps and
-o_proj jointly from moments over the source stream (``_refit_values``), ``--refine values-per-head``
-head by head and then o_proj, in two passes over it (``_refit_per_head``), and ``--refine layer`` refits and
-optionally trains it on the converted stream toward the source's targets (``_refine``). Both read
-the source layer's inputs, and the source attention's output on them, either from what the source
-run before kept on disk (``kept_slot`` slots: the statistics pass of a two-pass plan, or the convert
-pass's own run in a one-pass plan) or from the source stream.
+o_proj jointly from moments over the converted stream, toward the source's targets plus the gap between
+the streams (over the source stream with ``--refine-inputs source``: ``_refit_values``), ``--refine
+values-per-head`` head by head on the source stream and then o_proj, in two passes over it
+(``_refit_per_head``), and ``--refine layer`` refits and optionally trains it on the converted stream
+toward the same targets as the value refit there (``_refine``). Each reads the source layer's inputs,
+and the source attention's output on them, either from what the source run before kept on disk
+(``kept_slot`` slots: the statistics pass of a two-pass plan, or the convert pass's own run in a
+one-pass plan) or from the source stream.
 The per-head refit's targets are the source attention's o_proj input (each head's own output), the
 others' its output (``heads`` of ``refine.attention_output``).
 """
@@ -73,9 +75,12 @@ class RefineSteps:
         return x, None
 
     def _refit_values(self, i: int, tensors: dict, mla, out: dict, mla_layers: MLALayers) -> dict:
-        """``--refine values`` on converted layer I: moments of its latents and of the source attention's
-        output over the first sequences of the source stream, then ``refit_values``; when the refit was
-        kept, its attention tensors replace those in OUT (output dtype). Returns the report entry.
+        """``--refine values`` on converted layer I: moments of its latents and of its target over the first
+        sequences, then ``refit_values``; when the refit was kept, its attention tensors replace those in OUT
+        (output dtype). Returns the report entry. On the source stream the target is the source attention's
+        output a on the source input x; on the converted stream (input x') it is x + a - x', so that the
+        layer's residual output x' + attn(x') comes as close as it can to the source's x + a: the update
+        also undoes what the layers below got wrong (``_refine``'s target, there fitted by o_proj alone).
         The targets were kept by the source run before (``_targets_kept``), or the source stream is still at
         layer I's input and the source run that gives the targets carries it on to layer I + 1 (a one-pass plan
         advanced it already)."""
@@ -83,14 +88,18 @@ class RefineSteps:
         src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)  # kept: unused
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
+        converted = self.c.refine.inputs == "converted"
         with torch.no_grad():
             for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
+                if converted:
+                    x_conv = self.store.read(self._input_slot(i, CONVERTED), s, s + x.shape[0]).to(x.device)
+                    x, target = x_conv, target + (x - x_conv)  # the gap first: exact where the streams agree
                 add_batch(moments, block, mla_layers.run, x, target, s)
         del src_layer
         report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"), exact=self._exact())
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
-        return {"method": "values", "sequences": n} | report
+        return {"method": "values", "inputs": self.c.refine.inputs, "sequences": n} | report
 
     def _advances(self, i: int) -> bool:
         """Whether the source run that gives layer I's refit targets must also carry the source stream on to

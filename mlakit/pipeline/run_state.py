@@ -96,6 +96,15 @@ def on_device(device: str, w: AttentionWeights, stats: LayerStats | None):
     return w, stats
 
 
+def _concrete_inputs(opts):
+    """OPTS with ``--refine-inputs auto`` made what its refinement reads (unchanged for --refine none)."""
+    if opts.refine == "none" or opts.refine_inputs != "auto":
+        return opts
+    from ..convert.refine import RefineSettings
+
+    return replace(opts, refine_inputs=RefineSettings(method=opts.refine).inputs)
+
+
 class ConversionSetup:
     """The resolved settings of converting SOURCE with OPTS (see the module docstring)."""
 
@@ -108,12 +117,16 @@ class ConversionSetup:
         values-per-head on the same terms; else none. Each step down is logged, and the saved recipe and
         report name the refit that ran."""
         if opts.refine not in ("auto", *VALUE_REFITS):
-            return opts
+            return _concrete_inputs(opts)
         if opts.refine == "auto" and not self.calibrated:
-            return replace(opts, refine="none")
+            return replace(opts, refine="none", refine_inputs="auto")
         rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
         reasons = []
         for method in VALUE_REFITS if opts.refine == "auto" else (opts.refine,):
+            if opts.refine == "auto" and method == "values-per-head" and opts.refine_inputs == "converted":
+                reasons.append("--refine values-per-head reads the source stream, and --refine-inputs converted "
+                               "was asked for.")
+                continue
             try:
                 check_values_refit(shape, rank, stream.max_memory, method)
             except ValueError as exc:
@@ -121,7 +134,7 @@ class ConversionSetup:
                     raise ConversionError(str(exc)) from exc
                 reasons.append(str(exc))
                 continue
-            chosen = replace(opts, refine=method)
+            chosen = _concrete_inputs(replace(opts, refine=method))
             refit_tokens = refine_settings(chosen).used(opts.calib_samples) * opts.calib_seq_len
             work = values_refit_work(self.source.config, shape, rank, self.rope_dim, opts.calib_seq_len,
                                      opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
@@ -134,7 +147,7 @@ class ConversionSetup:
                 log.info("--refine auto: %s. %s", method, " ".join(reasons))
             return chosen
         log.info("--refine auto: no value refit, the closed form only. %s", " ".join(reasons))
-        return replace(opts, refine="none")
+        return replace(opts, refine="none", refine_inputs="auto")
 
     def __init__(self, source, opts, stream: StreamOptions):
         self.source, self.stream = source, stream
