@@ -139,9 +139,9 @@ def _stage_bytes(p: int, outputs: int) -> int:
 # --refine auto runs a value refit only where its arithmetic stays within this share of the decoder
 # forward's over the same layer and tokens. Issue #19's budget is 3x the bare forward and the closed form
 # takes about 2x (bench/results/convert_cost_closed.md), which leaves 1x; the default allows half as much
-# again for the refit's quality (at 68.75% it takes SmolLM2's GPL-3 ratio from 3.72 to 2.45), and so runs
-# over that budget: 3.3-3.6x the bare forward for SmolLM2 (bench/results/convert_cost.md), where the
-# refit's estimate is 1.1x. --refine none is the closed form alone, within the budget.
+# again for the refit's quality (docs/results.md, "The joint value / o_proj refit"). Not counted here: the
+# converted layer's forward over the refit's sequences when the refit reads the converted stream (the
+# default), which does not grow with the rank; bench/convert_cost.py times the whole conversion.
 REFIT_WORK_SHARE = 1.5
 _REFIT_SOLVES = 9  # ridge fits of one stage: about 4 ridges on each of 2 folds, then the final fit
 _FLOAT64_COST = 2  # a float64 product's time in float32 ones (half the SIMD lanes): the solves are float64
