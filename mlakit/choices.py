@@ -12,6 +12,7 @@ __all__ = [
     "MIN_CALIB_SEQ_LEN",
     "MIXINGS",
     "ROPE_METHODS",
+    "REFINE_FIXED_INPUTS",
     "REFINE_INPUTS",
     "REFINE_MODES",
     "ROPE_SCALING_POLICIES",
@@ -36,6 +37,8 @@ REFINE_MODES = ("auto", "none", "layer", "values", "values-per-head")
 # layer learns to compensate their error) or the source's own; auto: converted for layer and values,
 # source for values-per-head (its targets are each source head's output, which has no residual to compensate)
 REFINE_INPUTS = ("auto", "converted", "source")
+# the refinements bound to one stream (the one each must read); the others read either, converted under auto
+REFINE_FIXED_INPUTS = {"layer": "converted", "values-per-head": "source"}
 HEAL_TRAIN_CHOICES = ("attention", "all")  # what `heal --train` trains (heal.schedule.select_trainable)
 
 # The rotary selection weighs each component by its attention at every query-key distance

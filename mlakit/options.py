@@ -25,6 +25,7 @@ from .choices import (
     LOWRANK_METHODS,
     MIN_CALIB_SEQ_LEN,
     MIXINGS,
+    REFINE_FIXED_INPUTS,
     REFINE_INPUTS,
     REFINE_MODES,
     ROPE_METHODS,
@@ -240,8 +241,7 @@ class ConvertOptions:
             clash = {"none": "--refine none refines nothing", "layer": "--refine layer always reads the converted "
                      "stream", "values-per-head": "--refine values-per-head fits each source head's own output, "
                      "which has no residual error to compensate: it reads the source stream"}
-            wanted = {"layer": "converted", "values-per-head": "source", "none": None}
-            if self.refine in wanted and wanted[self.refine] != self.refine_inputs:
+            if self.refine == "none" or REFINE_FIXED_INPUTS.get(self.refine, self.refine_inputs) != self.refine_inputs:
                 raise ValueError(f"--refine-inputs {self.refine_inputs} with --refine {self.refine}: "
                                  f"{clash[self.refine]}; drop --refine-inputs or pick another --refine")
         return self

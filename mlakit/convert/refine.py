@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..arch.names import MLA_ATTN_PROJ
-from ..choices import REFINE_INPUTS, REFINE_MODES
+from ..choices import REFINE_FIXED_INPUTS, REFINE_INPUTS, REFINE_MODES
 from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds, with_one
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
@@ -100,9 +100,9 @@ class RefineSettings:
             raise ValueError(f"refine method {self.method!r} is not one of {', '.join(REFINE_METHODS)}")
         if self.inputs not in REFINE_INPUTS:
             raise ValueError(f"refine inputs {self.inputs!r} is not one of {', '.join(REFINE_INPUTS)}")
+        needs = REFINE_FIXED_INPUTS.get(self.method)
         if self.inputs == "auto":
-            object.__setattr__(self, "inputs", "source" if self.method == "values-per-head" else "converted")
-        needs = {"layer": "converted", "values-per-head": "source"}.get(self.method)
+            object.__setattr__(self, "inputs", needs or "converted")
         if needs not in (None, self.inputs):
             raise ValueError(f"refine method {self.method} reads the {needs} stream, not the {self.inputs} one")
         if self.method != "layer" and self.epochs:

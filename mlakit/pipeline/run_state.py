@@ -14,6 +14,7 @@ import torch
 
 from ..arch import names
 from ..arch.families import attention_shape
+from ..choices import REFINE_FIXED_INPUTS
 from ..convert.assemble import check_source_tensors, mla_config, model_shapes
 from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats, attention_sequences
 from ..convert.engine_target import check_target_shape
@@ -100,9 +101,7 @@ def _concrete_inputs(opts):
     """OPTS with ``--refine-inputs auto`` made what its refinement reads (unchanged for --refine none)."""
     if opts.refine == "none" or opts.refine_inputs != "auto":
         return opts
-    from ..convert.refine import RefineSettings
-
-    return replace(opts, refine_inputs=RefineSettings(method=opts.refine).inputs)
+    return replace(opts, refine_inputs=REFINE_FIXED_INPUTS.get(opts.refine, "converted"))
 
 
 class ConversionSetup:
@@ -123,9 +122,10 @@ class ConversionSetup:
         rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
         reasons = []
         for method in VALUE_REFITS if opts.refine == "auto" else (opts.refine,):
-            if opts.refine == "auto" and method == "values-per-head" and opts.refine_inputs == "converted":
-                reasons.append("--refine values-per-head reads the source stream, and --refine-inputs converted "
-                               "was asked for.")
+            bound = REFINE_FIXED_INPUTS.get(method)
+            if opts.refine == "auto" and opts.refine_inputs not in ("auto", bound or opts.refine_inputs):
+                reasons.append(f"--refine {method} reads the {bound} stream, and --refine-inputs "
+                               f"{opts.refine_inputs} was asked for.")
                 continue
             try:
                 check_values_refit(shape, rank, stream.max_memory, method)
