@@ -109,8 +109,13 @@ class MLAAttention(nn.Module):
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, T, self.qk_rope_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)  # (B, H, S, d + d_R)
         bias = None if mask is None else mask.additive(q.dtype)
+        # the fused kernels (CPU's, CUDA's flash) take one head size for q, k and v; with a narrower v, sdpa
+        # falls back to its unfused path. Zero columns of v give zero output columns, dropped after.
+        pad = q.shape[-1] - self.v_head_dim
+        if pad > 0:
+            v = F.pad(v, (0, pad))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=False, scale=self.scaling)
-        return out.transpose(1, 2).reshape(B, S, H * self.v_head_dim)
+        return out[..., : self.v_head_dim].transpose(1, 2).reshape(B, S, H * self.v_head_dim)
 
     def _absorbed(self, q_nope, q_rope, c_kv, k_rope, lengths, starts):
         H, d_nope = self.num_heads, self.qk_nope_head_dim
