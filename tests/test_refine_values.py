@@ -70,6 +70,18 @@ def test_latents_reproduce_the_attention_output(tiny_sources, monkeypatch, famil
     )
 
 
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_layer_from_latents_is_the_decoder_layer(tiny_sources, family):
+    """The latents a value refit gathered, through each head's value map, o_proj, the residual and the MLP,
+    are the converted decoder layer's output: what carries the converted stream on without scoring again."""
+    block, run, x, _, _ = _case(tiny_sources, family, 8, 20)
+    with torch.no_grad():
+        y = torch.randn_like(x)
+        a = add_batch(ValueMoments(), block, run, x, y, 0)
+        got, want = refine_values.layer_from_latents(block, x, a), run(block, x)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), float((got - want).abs().max())
+
+
 def test_key_span_covers_every_key_a_block_may_see():
     causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]
     assert refine_values.key_span(causal[..., 4:8, :]) == slice(0, 8)
@@ -220,6 +232,29 @@ def test_values_refit_on_the_converted_stream_compensates_the_layers_below(tiny_
     assert any(not torch.equal(got["converted"][k], got["source"][k]) for ks in refitted[1:] for k in ks)
     recipe = yaml.safe_load((tmp_path / "converted" / "recipe.yaml").read_text())
     assert (recipe["refine"], recipe["refine_inputs"]) == ("values", "converted")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_converted_stream_from_latents_matches_running_the_layer(tiny_sources, tmp_path, monkeypatch, family):
+    """The converted-stream refit keeps each layer's latents and carries the stream on from them; with no disk
+    to spare it computes them again: the same bytes either way, and nothing kept is left behind. Running the
+    refitted layer whole instead differs only in the order of float32 sums (and where that flips a rounding
+    to the store's dtype): each later layer starts from the same loss and gets the same refit to that rounding."""
+    opts = ConvertOptions(kv_lora_rank=20, rope_dim=8, **CALIB, refine="values", refine_inputs="converted")
+    kept = convert_streaming(str(tiny_sources[family]), tmp_path / "kept", opts)["layers"]
+    assert not list(tmp_path.glob(".*partial*")) and not list((tmp_path / "kept").glob("hidden-*"))
+    monkeypatch.setattr(driver.RefineSteps, "_latent_store", lambda self, i, block: None)
+    convert_streaming(str(tiny_sources[family]), tmp_path / "again", opts)
+    assert_same_bytes(tmp_path / "kept", tmp_path / "again")
+    monkeypatch.setattr(driver.RefineSteps, "_from_latents", lambda self, refit, mla_layers: mla_layers.run)
+    whole = convert_streaming(str(tiny_sources[family]), tmp_path / "whole", opts)["layers"]
+    for key in ("loss_before", "loss_after"):
+        losses = [[r["refine"][key] for r in layers] for layers in (kept, whole)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4), (key, losses)
+    a, b = checkpoint_tensors(tmp_path / "kept"), checkpoint_tensors(tmp_path / "whole")
+    assert a.keys() == b.keys()
+    off = {k: float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a}
+    assert max(off.values()) < 1e-3, off
 
 
 def test_cli_refine_values_reaches_the_report_and_the_saved_recipe(tiny_sources, tmp_path):

@@ -45,8 +45,8 @@ _SCORE_BYTES = 1 << 28
 _QUERY_BLOCK = 32
 
 __all__ = [
-    "ValueMoments", "add_batch", "assign_values", "first_masked_key", "key_span", "latent_attention", "latent_inputs", "refit_values",
-    "value_weights",
+    "ValueMoments", "add_batch", "assign_values", "first_masked_key", "flat_latents", "key_span", "latent_attention", "latent_inputs",
+    "layer_from_latents", "refit_values", "value_weights",
 ]
 
 
@@ -121,6 +121,12 @@ def latent_inputs(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torc
     return run_to_attention(block, run, hidden, lambda attn, args: latent_attention(attn, *args[:3]), before=True)
 
 
+def flat_latents(block: nn.Module, run: Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """``latent_inputs`` as float32 (B, T, H r): every head's latent side by side."""
+    latents = latent_inputs(block, run, hidden).float()
+    return latents.reshape(*latents.shape[:2], -1)
+
+
 @torch.no_grad()
 def add_batch(
     moments: ValueMoments,
@@ -129,18 +135,33 @@ def add_batch(
     hidden: torch.Tensor,
     target: torch.Tensor,
     first: int,
-) -> None:
+) -> torch.Tensor:
     """Add sequences FIRST .. of HIDDEN (B, T, D) (the layer's input) and TARGET (B, T, D) (what its attention
-    should add to it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias)."""
-    a = latent_inputs(block, run, hidden).float()
-    a = a.reshape(*a.shape[:2], -1)  # (B, T, H r)
-    a = with_one(a, block.self_attn.o_proj.bias is not None)
+    should add to it) to MOMENTS: a = [a_1; ...; a_H] (plus a 1 when o_proj has a bias). Returns the
+    latents a (B, T, H r): the refit leaves the scores alone, so they still hold after it
+    (``layer_from_latents``)."""
+    latents = flat_latents(block, run, hidden)
+    a = with_one(latents, block.self_attn.o_proj.bias is not None)
     if moments.start_loss is None:
         y = target.double()
         energy = float(y.square().sum())
         error = float((a.double() @ effective_map(*value_weights(block.self_attn)).T - y).square().sum())
         moments.start_loss = error / energy if energy > 0 else error
     moments.add(a, target, first)
+    return latents
+
+
+def layer_from_latents(block: nn.Module, hidden: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+    """Converted decoder layer BLOCK's output on HIDDEN (B, T, D) from its attention-weighted latents LATENTS
+    (B, T, H r, as ``add_batch`` returns them): each head's value map and o_proj, the residual and the MLP,
+    as ``MLADecoderLayer`` computes them, without scoring the attention again."""
+    attn = block.self_attn
+    B, T, _ = latents.shape
+    H, d = attn.num_heads, attn.qk_nope_head_dim
+    w_uv = attn.kv_b_proj.weight.view(H, d + attn.v_head_dim, -1)[:, d:]  # (H, d_v, r)
+    heads = torch.bmm(latents.view(B * T, H, -1).transpose(0, 1), w_uv.transpose(1, 2))  # (H, B T, d_v)
+    hidden = hidden + attn.o_proj(heads.transpose(0, 1).reshape(B, T, -1))
+    return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
 
 def value_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:

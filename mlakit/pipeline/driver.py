@@ -32,7 +32,8 @@ source stream plus the gap between the two streams' inputs, so it compensates th
 below it left; the refined layer is the one written and the one the converted stream runs through.
 ``--refine layer`` refits o_proj (and may train the attention: ``refine.refine_layer``), ``--refine
 values`` each head's value map and o_proj jointly from moments of the attention-weighted latents
-(``refine_values``). With ``--refine-inputs source`` the value refit reads the source stream only,
+(``refine_values``); as that refit leaves the scores alone, the converted stream is carried on from the
+latents it gathered (kept on disk for the purpose) instead of scoring the attention a second time. With ``--refine-inputs source`` the value refit reads the source stream only,
 against the source attention's output on the source layer's own input; ``--refine values-per-head``
 does that head by head against each source head's own output, then o_proj (``refine_heads``). In a
 two-pass plan that refines, the statistics pass keeps each layer's source inputs and attention
@@ -68,7 +69,7 @@ from ..convert.refine import keep_attention_output
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
 from .layer_runner import MLALayers, SourceLayers
-from .refine_steps import CONVERTED, SOURCE, RefineSteps, kept_slot
+from .refine_steps import CONVERTED, LATENTS, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
 from .settings import ConversionError
 from .verify import layerwise_report, verify_token_ids
@@ -127,6 +128,7 @@ class LayerDriver(RefineSteps):
         self.one_pass_keeps = bool(self.refining and not setup.two_pass and not self.sequential
                                    and self._disk_allows(self.target_store.nbytes(self.stream_rows)))
         self.verify = setup.opts.verify
+        self.latents = None  # (block, store) of the layer's converted-stream value refit, for ``_propagate``
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
             self.verify_src, self.verify_mla = streams.get("source"), streams.get("mla")
@@ -421,9 +423,14 @@ class LayerDriver(RefineSteps):
 
     @torch.no_grad()
     def _propagate(self, i: int, mla_layers: MLALayers, layer) -> None:
-        """Converted layer I on the verification stream and, when sequential, the converted stream."""
+        """Converted layer I on the verification stream and on the converted stream when there is one: from
+        the latents of its converted-stream value refit (``_from_latents``), or run whole."""
+        refit, self.latents = self.latents, None
         if self.two_streams and self.n_calib and i < self.c.n - 1:
-            self._run_stream(i, CONVERTED, mla_layers.run, layer, rows=self.stream_rows)
+            run = mla_layers.run if refit is None else self._from_latents(refit, mla_layers)
+            self._run_stream(i, CONVERTED, run, layer, rows=self.stream_rows)
+        if refit is not None and refit[1] is not None:
+            refit[1].remove(LATENTS)
         if self.verify:
             self.verify_mla = mla_layers.run(layer, self.verify_mla)
 

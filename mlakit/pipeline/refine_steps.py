@@ -25,14 +25,17 @@ from ..arch import names
 from ..convert.assemble import mla_layer_tensors
 from ..convert.refine import attention_and_output, attention_output, exact_loss, refine_layer
 from ..convert.refine_heads import refit_per_head
-from ..convert.refine_values import ValueMoments, add_batch, refit_values
+from ..convert.refine_values import ValueMoments, add_batch, flat_latents, layer_from_latents, refit_values
+from ..io.work_dir import HiddenStore
 from .layer_runner import MLALayers
 
-__all__ = ["CONVERTED", "SOURCE", "RefineSteps", "kept_slot"]
+__all__ = ["CONVERTED", "LATENTS", "SOURCE", "RefineSteps", "kept_slot"]
 
 # first hidden-state slot of each stream (a stream uses its slot and the next in turn, unless the source
 # stream's inputs are kept: ``LayerDriver._input_slot``)
 SOURCE, CONVERTED = 0, 2
+# the slot of the latents a converted-stream value refit keeps for carrying that stream on (``_latent_store``)
+LATENTS = "latents"
 
 
 def kept_slot(i: int, what: str) -> str:
@@ -41,8 +44,9 @@ def kept_slot(i: int, what: str) -> str:
 
 
 class RefineSteps:
-    """The per-layer refinement of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``, ``state``,
-    ``src_layers``, ``per_layer``, ``n_calib`` and ``sequential``, and its ``_input_slot``)."""
+    """The per-layer refinement of ``LayerDriver`` (it reads the driver's setup ``c``, ``work``, ``store``, ``state``,
+    ``src_layers``, ``per_layer``, ``n_calib``, ``stream_rows`` and ``sequential``, and its ``_input_slot`` and
+    ``_disk_allows``; it sets ``latents``, which ``_propagate`` reads)."""
 
     def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
         """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
@@ -89,17 +93,50 @@ class RefineSteps:
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
         converted = self.c.refine.inputs == "converted"
-        with torch.no_grad():
+        latents = self._latent_store(i, block) if converted else None
+        with torch.no_grad(), latents.writer(LATENTS) if latents is not None else contextlib.nullcontext() as kept:
             for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
                 if converted:
                     x_conv = self.store.read(self._input_slot(i, CONVERTED), s, s + x.shape[0]).to(x.device)
                     x, target = x_conv, target + (x - x_conv)  # the gap first: exact where the streams agree
-                add_batch(moments, block, mla_layers.run, x, target, s)
+                a = add_batch(moments, block, mla_layers.run, x, target, s)
+                if kept is not None:
+                    kept.write(a)
+        self.latents = (block, latents) if converted else None  # for ``_propagate``, once the layer is final
         del src_layer
         report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"), exact=self._exact())
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
         return {"method": "values", "inputs": self.c.refine.inputs, "sequences": n} | report
+
+    def _latent_store(self, i: int, block) -> HiddenStore | None:
+        """Where the converted-stream value refit of layer I keeps its attention-weighted latents, so that
+        carrying the converted stream on to layer I + 1 (``_from_latents``) needs no second scoring of the
+        attention; None when it cannot: the last layer, a stream of more sequences than the refit reads, or
+        too little free disk (``_disk_allows``)."""
+        attn = block.self_attn
+        # float32: the stream carried on is then what running the layer gives, up to the order of the sums; never
+        # resumed from (an interrupted layer is converted again), so never synced to disk
+        store = HiddenStore(self.work.path, self.stream_rows, self.store.shape[1], attn.num_heads * attn.kv_lora_rank,
+                            durable=False, dtype=torch.float32)
+        fits = self.c.refine.used(self.n_calib) == self.stream_rows and self._disk_allows(store.nbytes(self.stream_rows))
+        return store if fits and i < self.c.n - 1 else None
+
+    def _from_latents(self, refit: tuple, mla_layers: MLALayers):
+        """``run(layer, hidden)`` that carries the converted stream through refitted layer LAYER, batch by batch in
+        ``_run_stream``'s order, from the latents of REFIT = (block, store) (``_refit_values``): the refit changes
+        only what follows the scores, so the latents it gathered still hold. Those the store kept are read back;
+        with no store they are computed again, from the same block in the same float32 arithmetic, so a run
+        writes the same bytes whether the disk had room or not. The scores are those of the refit's float32
+        weights, the value maps and o_proj those of LAYER (what the checkpoint holds)."""
+        block, store = refit
+        rows, bs = self.stream_rows, self.c.batch_size
+        kept = None if store is None else (store.read(LATENTS, s, min(s + bs, rows)) for s in range(0, rows, bs))
+
+        def run(layer, hidden):
+            latents = flat_latents(block, mla_layers.run, hidden) if kept is None else next(kept).to(hidden.device)
+            return layer_from_latents(layer, hidden, latents)
+        return run
 
     def _advances(self, i: int) -> bool:
         """Whether the source run that gives layer I's refit targets must also carry the source stream on to
