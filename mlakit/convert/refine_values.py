@@ -153,15 +153,14 @@ def add_batch(
 
 def layer_from_latents(block: nn.Module, hidden: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
     """Converted decoder layer BLOCK's output on HIDDEN (B, T, D) from its attention-weighted latents LATENTS
-    (B, T, H r, as ``add_batch`` returns them): each head's value map and o_proj, the residual and the MLP,
-    as ``MLADecoderLayer`` computes them, without scoring the attention again."""
+    (B, T, H r, as ``add_batch`` returns them): each head's value map and o_proj, then the residual and the
+    MLP (``MLADecoderLayer.after_attention``), without scoring the attention again."""
     attn = block.self_attn
     B, T, _ = latents.shape
     H, d = attn.num_heads, attn.qk_nope_head_dim
     w_uv = attn.kv_b_proj.weight.view(H, d + attn.v_head_dim, -1)[:, d:]  # (H, d_v, r)
     heads = torch.bmm(latents.view(B * T, H, -1).transpose(0, 1), w_uv.transpose(1, 2))  # (H, B T, d_v)
-    hidden = hidden + attn.o_proj(heads.transpose(0, 1).reshape(B, T, -1))
-    return hidden + block.mlp(block.post_attention_layernorm(hidden))
+    return block.after_attention(hidden, attn.o_proj(heads.transpose(0, 1).reshape(B, T, -1)))
 
 
 def value_weights(attn) -> tuple[torch.Tensor, torch.Tensor]:

@@ -174,9 +174,12 @@ class MLADecoderLayer(_LayerBase):
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        residual = hidden_states
         attn, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache)
-        hidden_states = residual + attn
+        return self.after_attention(hidden_states, attn)
+
+    def after_attention(self, hidden_states, attn):
+        """The layer's output from its input HIDDEN_STATES and its attention's output ATTN: the residual, then the MLP."""
+        hidden_states = hidden_states + attn
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 

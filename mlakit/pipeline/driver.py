@@ -33,8 +33,9 @@ below it left; the refined layer is the one written and the one the converted st
 ``--refine layer`` refits o_proj (and may train the attention: ``refine.refine_layer``), ``--refine
 values`` each head's value map and o_proj jointly from moments of the attention-weighted latents
 (``refine_values``); as that refit leaves the scores alone, the converted stream is carried on from the
-latents it gathered (kept on disk for the purpose) instead of scoring the attention a second time. With ``--refine-inputs source`` the value refit reads the source stream only,
-against the source attention's output on the source layer's own input; ``--refine values-per-head``
+latents it gathered (kept on disk for the purpose) instead of scoring the attention a second time. With
+``--refine-inputs source`` the value refit reads the source stream only, against the source attention's
+output on the source layer's own input; ``--refine values-per-head``
 does that head by head against each source head's own output, then o_proj (``refine_heads``). In a
 two-pass plan that refines, the statistics pass keeps each layer's source inputs and attention
 outputs (o_proj's inputs for the per-head refit) on disk when they fit (``KEEP_INPUTS_SHARE``), so
