@@ -62,6 +62,9 @@ ROWS = {
     # default until 2026-12-05)
     "+ value refit on the source stream (--refine values --refine-inputs source)": (
         {"refine": "values", "refine_inputs": "source"}, False),
+    # the converted-stream refit undoing all of the error the layers below left (the default until 2026-12-06)
+    "+ value refit undoing all the inherited error (--refine values --refine-compensate 1)": (
+        {"refine": "values", "refine_compensate": 1.0}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {

@@ -39,10 +39,11 @@ __all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError"]
 # Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
 RECIPE_FIELDS = (
     "kv_lora_rank", "rope_dim", "kv_budget", "allocation", "rope_method", "lowrank_method", "fold", "mixing",
-    "stock_rope", "target", "refine", "refine_inputs", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
+    "stock_rope", "target", "refine", "refine_inputs", "refine_compensate", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
     "calib", "calib_samples", "calib_seq_len", "dtype",
 )  # fmt: skip
 
+_DEFAULT_COMPENSATE = 0.5  # the two aims of the converted-stream refit weighed alike (refine_compensate)
 _RUN = {"recipe": False}  # json_schema_extra of the fields not in RECIPE_FIELDS (checked below)
 _NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--quiet
 
@@ -151,6 +152,21 @@ class ConvertOptions:
             "auto: converted for layer and values, source for values-per-head."
         ),
     ] = "auto"
+    refine_compensate: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=1,
+            description="The share of the error the converted layers below left that the value refit on the "
+            "converted stream fits each layer to undo (--refine values, --refine-inputs converted). Its target is "
+            "the source attention on the converted input, f = attn_src(x'), plus this share of the remaining gap "
+            "to the source's residual stream, x + attn_src(x) - x' - f: the least-squares fit weighs the two aims "
+            "(reproduce the source's function; restore the source's stream) by 1 - share and share. 1: undo all "
+            "of it (the only target before this option); 0: function matching only; 0.5: both aims weighed alike. "
+            "Costs one source attention per calibration batch when below 1.",
+            json_schema_extra={"accepts": "must be a share in [0, 1]"},
+        ),
+    ] = _DEFAULT_COMPENSATE
     refine_epochs: Annotated[
         float,
         Field(
@@ -244,6 +260,12 @@ class ConvertOptions:
             if self.refine == "none" or REFINE_FIXED_INPUTS.get(self.refine, self.refine_inputs) != self.refine_inputs:
                 raise ValueError(f"--refine-inputs {self.refine_inputs} with --refine {self.refine}: "
                                  f"{clash[self.refine]}; drop --refine-inputs or pick another --refine")
+        if self.refine_compensate != _DEFAULT_COMPENSATE and (
+                self.refine in ("none", "layer", "values-per-head") or self.refine_inputs == "source"):
+            raise ValueError(f"--refine-compensate {self.refine_compensate:g} sets the target of --refine values on "
+                             f"the converted stream; --refine {self.refine} --refine-inputs {self.refine_inputs} "
+                             f"does not fit one: drop --refine-compensate or use --refine values (or auto) with "
+                             f"--refine-inputs converted (or auto)")
         return self
 
 

@@ -31,8 +31,8 @@ def test_fields_and_defaults_are_the_former_dataclasses_plus_refinement():
     want = dict(
         kv_lora_rank="full", rope_dim="full", kv_budget=None, allocation="auto", rope_method="scored",
         lowrank_method="auto", fold=0, mixing="pca", stock_rope=False, target="any", refine="auto",
-        refine_inputs="auto", refine_epochs=0.0, refine_lr=1e-3, refine_batch=4, refine_sequences=None, calib="builtin",
-        calib_samples=256, calib_seq_len=512, dtype="auto", device="cpu", seed=0, overwrite=False, verify=True,
+        refine_inputs="auto", refine_compensate=0.5, refine_epochs=0.0, refine_lr=1e-3, refine_batch=4,
+        refine_sequences=None, calib="builtin", calib_samples=256, calib_seq_len=512, dtype="auto", device="cpu", seed=0, overwrite=False, verify=True,
         quiet=False,
     )  # fmt: skip
     assert dataclasses.asdict(ConvertOptions()) == want
@@ -78,6 +78,15 @@ def test_options_are_frozen_and_replace_validates():
             "--stock-rope works with --rope-method scored or transmla",
         ),
         ({"kv_budgt": 0.3}, "unknown option 'kv_budgt'"),
+        ({"refine_compensate": 1.5}, "--refine-compensate (refine_compensate) must be a share in [0, 1]; got 1.5"),
+        (
+            {"refine_compensate": 1.0, "refine": "layer"},
+            "--refine-compensate 1 sets the target of --refine values on the converted stream; --refine layer",
+        ),
+        (
+            {"refine_compensate": 0.0, "refine": "values", "refine_inputs": "source"},
+            "--refine values --refine-inputs source does not fit one: drop --refine-compensate",
+        ),
     ],
 )
 def test_bad_values_name_the_flag_and_what_it_accepts(fields, message):
@@ -243,6 +252,8 @@ def _recipe(tmp_path, text):
             "method.lowrank (lowrank_method, --lowrank-method) must be one of",
         ),
         ("recipe:kv_budgt: 0.3\n", 2, "unknown key 'kv_budgt'; recipe keys:"),
+        (["--refine-compensate", -0.5], 2, "Invalid value for '--refine-compensate': -0.5 is not in the range 0<=x<=1"),
+        (["--refine-compensate", 0, "--refine", "none"], 1, "--refine-compensate 0 sets the target of --refine values"),
         (
             "recipe:kv_budget: 3\n",
             2,

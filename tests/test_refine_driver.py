@@ -128,8 +128,9 @@ def test_options_defaults_are_the_refinement_defaults():
     settings = RefineSettings()
     opts = {f.name: f.default for f in fields(ConvertOptions)}
     assert opts["refine"] == "auto"
-    assert (opts["refine_epochs"], opts["refine_lr"], opts["refine_batch"], opts["refine_sequences"]) == (
-        settings.epochs, settings.lr, settings.batch, settings.sequences)
+    assert (opts["refine_epochs"], opts["refine_lr"], opts["refine_batch"], opts["refine_sequences"],
+            opts["refine_compensate"]) == (settings.epochs, settings.lr, settings.batch, settings.sequences,
+                                           settings.compensate)
 
 
 @pytest.mark.parametrize("setting", [dict(kv_lora_rank=20, rope_dim=8), dict(kv_budget=0.4, allocation="fisher")])

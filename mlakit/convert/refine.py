@@ -85,6 +85,8 @@ class RefineSettings:
     # REFINE_INPUTS: the hidden states the refinement reads; auto becomes what METHOD reads by default
     # (choices.REFINE_INPUTS)
     inputs: str = "auto"
+    # the share of the inherited error a converted-stream value refit fits to undo (options.refine_compensate)
+    compensate: float = 0.5
     loss: str = "attention"  # REFINE_LOSSES
     sequences: int | None = None  # calibration sequences refined on and measured on (the first ones; None: all)
     # Adam passes over those sequences; 0: the o_proj refit only, which gets most of the gain at a
@@ -105,6 +107,8 @@ class RefineSettings:
             object.__setattr__(self, "inputs", needs or "converted")
         if needs not in (None, self.inputs):
             raise ValueError(f"refine method {self.method} reads the {needs} stream, not the {self.inputs} one")
+        if not (isinstance(self.compensate, (int, float)) and 0 <= self.compensate <= 1):
+            raise ValueError(f"refine compensate must be a share in [0, 1]; got {self.compensate!r}")
         if self.method != "layer" and self.epochs:
             raise ValueError(f"refine epochs (Adam steps) apply to --refine layer; --refine {self.method} is a "
                              "closed-form refit: drop --refine-epochs or use --refine layer")

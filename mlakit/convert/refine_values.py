@@ -45,7 +45,7 @@ _SCORE_BYTES = 1 << 28
 _QUERY_BLOCK = 32
 
 __all__ = [
-    "ValueMoments", "add_batch", "assign_values", "first_masked_key", "flat_latents", "key_span", "latent_attention", "latent_inputs",
+    "ValueMoments", "add_batch", "assign_values", "compensating_target", "first_masked_key", "flat_latents", "key_span", "latent_attention", "latent_inputs",
     "layer_from_latents", "refit_values", "value_weights",
 ]
 
@@ -149,6 +149,25 @@ def add_batch(
         moments.start_loss = error / energy if energy > 0 else error
     moments.add(a, target, first)
     return latents
+
+
+def compensating_target(attention: torch.Tensor, source_input: torch.Tensor, converted_input: torch.Tensor,
+                        share: float, source_function: Callable) -> torch.Tensor:
+    """The target of the value refit on the converted stream for one batch: what the converted attention
+    should add to CONVERTED_INPUT x' (B, T, D), given the source's input x (SOURCE_INPUT) and its attention's
+    output a on it (ATTENTION).
+
+    Two aims pull apart once the streams differ. Restoring the source's residual stream asks for
+    g = x + a - x': the layer then also undoes what the layers below got wrong, but that error is fitted
+    from x' through this layer's latents alone, and how much of it they can say on other text is open.
+    Reproducing the source's function asks for f = attn_src(x') (SOURCE_FUNCTION(x'), rounded as the kept
+    targets are): what the source would add to the converted stream, with no error to chase. Least squares
+    toward f + SHARE (g - f) minimises (1 - SHARE) ||y - f||^2 + SHARE ||y - g||^2 up to a constant, so SHARE
+    weighs the two aims (``options.refine_compensate``); with SHARE 1 f is never computed."""
+    gap = attention + (source_input - converted_input)  # the gap first: exact where the streams agree
+    if share == 1:
+        return gap
+    return torch.lerp(source_function(converted_input), gap, share)
 
 
 def layer_from_latents(block: nn.Module, hidden: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,14 @@ from ..arch import names
 from ..convert.assemble import mla_layer_tensors
 from ..convert.refine import attention_and_output, attention_output, exact_loss, refine_layer
 from ..convert.refine_heads import refit_per_head
-from ..convert.refine_values import ValueMoments, add_batch, flat_latents, layer_from_latents, refit_values
+from ..convert.refine_values import (
+    ValueMoments,
+    add_batch,
+    compensating_target,
+    flat_latents,
+    layer_from_latents,
+    refit_values,
+)
 from ..io.work_dir import HiddenStore
 from .layer_runner import MLALayers
 
@@ -82,32 +89,38 @@ class RefineSteps:
         """``--refine values`` on converted layer I: moments of its latents and of its target over the first
         sequences, then ``refit_values``; when the refit was kept, its attention tensors replace those in OUT
         (output dtype). Returns the report entry. On the source stream the target is the source attention's
-        output a on the source input x; on the converted stream (input x') it is x + a - x', so that the
-        layer's residual output x' + attn(x') comes as close as it can to the source's x + a: the update
-        also undoes what the layers below got wrong (``_refine``'s target, there fitted by o_proj alone).
+        output a on the source input x; on the converted stream (input x') it lies between x + a - x', so that
+        the layer's residual output x' + attn(x') comes as close as it can to the source's x + a (the update
+        also undoes what the layers below got wrong: ``_refine``'s target, there fitted by o_proj alone), and
+        the source attention's own output on x', weighed by ``refine.compensate`` (``compensating_target``).
         The targets were kept by the source run before (``_targets_kept``), or the source stream is still at
         layer I's input and the source run that gives the targets carries it on to layer I + 1 (a one-pass plan
         advanced it already)."""
         n = self.c.refine.used(self.n_calib)
-        src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)  # kept: unused
+        converted = self.c.refine.inputs == "converted"
+        share = self.c.refine.compensate if converted else 1.0
+        # the source layer: for the targets when not kept, and for its function on the converted input
+        src_layer = self.src_layers.layer(i, tensors) if share < 1 or not self._targets_kept() else None
+        run = self.src_layers.run
+        source_function = lambda h, layer=src_layer: self.target_store.round(attention_output(layer, run, h))  # noqa: E731
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
-        converted = self.c.refine.inputs == "converted"
         latents = self._latent_store(i, block) if converted else None
         with torch.no_grad(), latents.writer(LATENTS) if latents is not None else contextlib.nullcontext() as kept:
             for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
                 if converted:
                     x_conv = self.store.read(self._input_slot(i, CONVERTED), s, s + x.shape[0]).to(x.device)
-                    x, target = x_conv, target + (x - x_conv)  # the gap first: exact where the streams agree
+                    x, target = x_conv, compensating_target(target, x, x_conv, share, source_function)
                 a = add_batch(moments, block, mla_layers.run, x, target, s)
                 if kept is not None:
                     kept.write(a)
         self.latents = (block, latents) if converted else None  # for ``_propagate``, once the layer is final
-        del src_layer
+        del src_layer, source_function
         report = refit_values(block, moments, start_ridge=self._refine_below().get("ridge"), exact=self._exact())
         if report["kept"] == "values refit":
             self._write_attention(i, block, out)
-        return {"method": "values", "inputs": self.c.refine.inputs, "sequences": n} | report
+        return {"method": "values", "inputs": self.c.refine.inputs, "sequences": n} | (
+            {"compensate": share} if converted else {}) | report
 
     def _latent_store(self, i: int, block) -> HiddenStore | None:
         """Where the converted-stream value refit of layer I keeps its attention-weighted latents, so that

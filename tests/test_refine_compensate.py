@@ -1,0 +1,89 @@
+"""--refine-compensate (convert/refine_values.compensating_target): the converted-stream value refit's target
+weighs the source's function on the converted input against restoring the source's residual stream; the
+share reaches the driver, the report and the recipe, and leaves layer 0 (where the streams agree) alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from mlakit.arch import names
+from mlakit.convert.refine import RefineSettings
+from mlakit.convert.refine_values import compensating_target
+from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
+from tests.convert_helpers import assert_same_bytes, checkpoint_tensors
+
+CALIB = dict(calib="random", calib_samples=48, calib_seq_len=32, dtype="float32", quiet=True)
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 5, 8, generator=g) for _ in range(3)]  # a, x, x'
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
+def test_the_target_weighs_the_source_function_against_the_stream_gap(share):
+    a, x, x_conv = _batch()
+    calls = []
+
+    def source_function(h):
+        calls.append(h)
+        return 2 * h + 1  # any function of the converted input
+
+    got = compensating_target(a, x, x_conv, share, source_function)
+    gap, f = a + (x - x_conv), 2 * x_conv + 1
+    torch.testing.assert_close(got, (1 - share) * f + share * gap)
+    if share == 1:  # the former target, bit for bit, and no source attention run for it
+        assert torch.equal(got, gap) and not calls
+    else:
+        assert len(calls) == 1 and calls[0] is x_conv
+    # the least-squares target of (1 - share) ||y - f||^2 + share ||y - g||^2: its gradient vanishes there
+    assert float(((1 - share) * (got - f) + share * (got - gap)).abs().max()) < 1e-5
+
+
+def test_where_the_streams_agree_every_share_gives_the_source_output():
+    a, x, _ = _batch(1)
+    for share in (0.0, 0.5, 1.0):
+        assert torch.equal(compensating_target(a, x, x, share, lambda h: a), a)
+
+
+def test_bad_shares_are_refused_by_the_settings():
+    for share in (-0.1, 1.5, "half"):
+        with pytest.raises(ValueError, match="refine compensate must be a share in"):
+            RefineSettings(method="values", compensate=share)
+
+
+def _refitted(tensors: dict, layer: int) -> dict:
+    prefix = names.attn_prefix(layer)
+    return {k: t for k, t in tensors.items() if k.startswith(prefix) and (".kv_b_proj." in k or ".o_proj." in k)}
+
+
+def test_the_share_reaches_the_refit_report_and_recipe(tiny_sources, tmp_path):
+    """Layer 0 reads the same embeddings on both streams, so every share fits it toward the same target; each
+    later layer's target moves with the share, and so do its start loss and refit. No share raises a loss."""
+    base = dict(kv_lora_rank=20, rope_dim=8, **CALIB, refine="values")
+    reports, weights = {}, {}
+    for share in (0.0, 0.5, 1.0):
+        out = tmp_path / f"share-{share}"
+        reports[share] = convert(str(tiny_sources["qwen2"]), out, ConvertOptions(**base, refine_compensate=share))["layers"]
+        weights[share] = checkpoint_tensors(out)
+        assert all(r["refine"]["compensate"] == share for r in reports[share])
+        assert all(r["refine"]["loss_after"] <= r["refine"]["loss_before"] for r in reports[share])
+        assert yaml.safe_load((out / "recipe.yaml").read_text())["refine_compensate"] == share
+    first = [reports[s][0]["refine"]["loss_before"] for s in reports]
+    assert first == pytest.approx([first[0]] * 3, rel=1e-6), first
+    for k, t in _refitted(weights[1.0], 0).items():
+        torch.testing.assert_close(weights[0.0][k], t, rtol=1e-4, atol=1e-6)
+    for layer in range(1, len(reports[1.0])):
+        before = [reports[s][layer]["refine"]["loss_before"] for s in reports]
+        assert len(set(before)) == 3, (layer, before)
+    assert any(not torch.equal(weights[0.0][k], t) for k, t in _refitted(weights[1.0], 1).items())
+
+
+def test_a_share_below_one_is_the_same_in_memory_and_streaming(tiny_sources, tmp_path):
+    opts = ConvertOptions(kv_budget=0.4, allocation="fisher", **CALIB, refine="values", refine_compensate=0.25)
+    mem = convert(str(tiny_sources["llama_gqa"]), tmp_path / "mem", opts)
+    convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "stream", opts)
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert any(r["refine"]["kept"] == "values refit" for r in mem["layers"])
