@@ -75,23 +75,27 @@ def test_refit_needs_two_sequences_to_validate(tiny_sources):
 
 # -- in the driver ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("refine", ["values", "values-per-head"])
+@pytest.mark.parametrize("refine", [dict(refine="values", refine_compensate=1.0), dict(refine="values"),
+                                    dict(refine="values-per-head")])
 @pytest.mark.parametrize("allocation", ["fisher", "uniform"])
 def test_kept_targets_and_a_second_source_run_give_the_same_bytes(tiny_sources, tmp_path, monkeypatch, allocation,
                                                                    refine):
     """The targets kept by the source run before the refit (the statistics pass of a two-pass plan, the
     convert pass's own run in a one-pass plan) and those of a second run of the source attention (no disk
-    to spare) are the same: so are the checkpoints."""
+    to spare) are the same: so are the checkpoints. A share of compensation below 1 runs the source
+    attention on the converted input in both (``compensating_target``), and no more than that when kept."""
     reruns = []
     for name in ("attention_output", "attention_and_output"):
         real = getattr(refine_steps, name)
         monkeypatch.setattr(refine_steps, name, lambda *a, real=real, **k: reruns.append(1) or real(*a, **k))
-    opts = ConvertOptions(kv_budget=0.4, allocation=allocation, **CALIB, refine=refine)
+    opts = ConvertOptions(kv_budget=0.4, allocation=allocation, **CALIB, **refine)
     kept = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "kept", opts)
-    assert not reruns  # every layer's targets came from the run before
+    on_converted = len(reruns)
+    # every layer's targets came from the run before: the only runs are the blend's, on x'
+    assert (on_converted > 0) == (refine == dict(refine="values")), on_converted
     monkeypatch.setattr(driver, "KEEP_INPUTS_SHARE", 0.0)
     again = convert_streaming(str(tiny_sources["llama_gqa"]), tmp_path / "again", opts)
-    assert reruns
+    assert len(reruns) - on_converted > on_converted  # the targets on x too, this time
     assert_same_bytes(tmp_path / "kept", tmp_path / "again")
     assert layer_records(kept) == layer_records(again)
     assert not list((tmp_path / "kept").glob("hidden-*"))

@@ -5,8 +5,9 @@ After the closed form, each head's value map W_UV_h (the value rows of ``kv_b_pr
 attention output (math and algebra: ``refit_moments``). The fit needs only the attention-weighted
 latents a_h (``latent_attention``) of the layer's inputs and its targets, gathered as second
 moments (``add_batch``). Which inputs and targets is the driver's choice (``pipeline.refine_steps``):
-the converted model's hidden states, with the target corrected for the error the layers below left
-(the default), or the source's own, which need no forward of the converted model.
+the converted model's hidden states, with a target that weighs the source's function on them against
+undoing the error the layers below left (the default, ``compensating_target``), or the source's own,
+which need no forward of the converted model.
 
 Only W_UV and o_proj change: the latent, the rotary key, the scores and so the cache stay as the
 closed form made them. The refit is skipped when the start is already exact (the full-rank
