@@ -146,8 +146,8 @@ class ConvertOptions:
         Literal[REFINE_INPUTS],
         Field(
             description="The hidden states a refinement reads. converted: those the converted layers below "
-            "produce, fitted toward the source's attention output plus the error they left, so each layer "
-            "compensates it (one more forward of the converted layer over the refit's sequences). source: the "
+            "produce, fitted toward the source's attention output plus the error they left (a share of it with "
+            "--refine values: --refine-compensate), so each layer compensates it (one more forward of the converted layer over the refit's sequences). source: the "
             "source's own (values and values-per-head; no converted forward, less exact on the converted model). "
             "auto: converted for layer and values, source for values-per-head."
         ),

@@ -2,10 +2,11 @@
 
 After the closed form has built converted layer i, ``--refine values`` refits its value maps and
 o_proj jointly from moments over the converted stream, toward the source's targets plus the gap between
-the streams (over the source stream with ``--refine-inputs source``: ``_refit_values``), ``--refine
+the streams weighed against the source attention's output on the converted input (``refine.compensate``;
+over the source stream with ``--refine-inputs source``: ``_refit_values``), ``--refine
 values-per-head`` head by head on the source stream and then o_proj, in two passes over it
 (``_refit_per_head``), and ``--refine layer`` refits and optionally trains it on the converted stream
-toward the same targets as the value refit there (``_refine``). Each reads the source layer's inputs,
+toward the source's targets plus the gap (the value refit's target at ``refine.compensate`` 1: ``_refine``). Each reads the source layer's inputs,
 and the source attention's output on them, either from what the source run before kept on disk
 (``kept_slot`` slots: the statistics pass of a two-pass plan, or the convert pass's own run in a
 one-pass plan) or from the source stream.
