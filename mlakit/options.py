@@ -39,7 +39,8 @@ __all__ = ["RECIPE_FIELDS", "ConvertOptions", "OptionsError"]
 # Fields that say how to convert (saved in recipe.yaml); the others say how this run goes.
 RECIPE_FIELDS = (
     "kv_lora_rank", "rope_dim", "kv_budget", "allocation", "rope_method", "lowrank_method", "fold", "mixing",
-    "stock_rope", "target", "refine", "refine_inputs", "refine_compensate", "refine_epochs", "refine_lr", "refine_batch", "refine_sequences",
+    "stock_rope", "target", "refine", "refine_inputs", "refine_compensate", "refine_epochs", "refine_lr",
+    "refine_batch", "refine_sequences",
     "calib", "calib_samples", "calib_seq_len", "dtype",
 )  # fmt: skip
 
@@ -147,8 +148,9 @@ class ConvertOptions:
         Field(
             description="The hidden states a refinement reads. converted: those the converted layers below "
             "produce, fitted toward the source's attention output plus the error they left (a share of it with "
-            "--refine values: --refine-compensate), so each layer compensates it (one more forward of the converted layer over the refit's sequences). source: the "
-            "source's own (values and values-per-head; no converted forward, less exact on the converted model). "
+            "--refine values: --refine-compensate), so each layer compensates it (one more forward of the "
+            "converted layer over the refit's sequences). source: the source's own (values and values-per-head; "
+            "no converted forward, less exact on the converted model). "
             "auto: converted for layer and values, source for values-per-head."
         ),
     ] = "auto"

@@ -32,8 +32,8 @@ def test_fields_and_defaults_are_the_former_dataclasses_plus_refinement():
         kv_lora_rank="full", rope_dim="full", kv_budget=None, allocation="auto", rope_method="scored",
         lowrank_method="auto", fold=0, mixing="pca", stock_rope=False, target="any", refine="auto",
         refine_inputs="auto", refine_compensate=0.5, refine_epochs=0.0, refine_lr=1e-3, refine_batch=4,
-        refine_sequences=None, calib="builtin", calib_samples=256, calib_seq_len=512, dtype="auto", device="cpu", seed=0, overwrite=False, verify=True,
-        quiet=False,
+        refine_sequences=None, calib="builtin", calib_samples=256, calib_seq_len=512, dtype="auto", device="cpu",
+        seed=0, overwrite=False, verify=True, quiet=False,
     )  # fmt: skip
     assert dataclasses.asdict(ConvertOptions()) == want
     assert [f.name for f in dataclasses.fields(ConvertOptions)] == list(want)

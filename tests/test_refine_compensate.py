@@ -66,7 +66,8 @@ def test_the_share_reaches_the_refit_report_and_recipe(tiny_sources, tmp_path):
     reports, weights = {}, {}
     for share in (0.0, 0.5, 1.0):
         out = tmp_path / f"share-{share}"
-        reports[share] = convert(str(tiny_sources["qwen2"]), out, ConvertOptions(**base, refine_compensate=share))["layers"]
+        opts = ConvertOptions(**base, refine_compensate=share)
+        reports[share] = convert(str(tiny_sources["qwen2"]), out, opts)["layers"]
         weights[share] = checkpoint_tensors(out)
         assert all(r["refine"]["compensate"] == share for r in reports[share])
         assert all(r["refine"]["loss_after"] <= r["refine"]["loss_before"] for r in reports[share])

@@ -46,8 +46,8 @@ _SCORE_BYTES = 1 << 28
 _QUERY_BLOCK = 32
 
 __all__ = [
-    "ValueMoments", "add_batch", "assign_values", "compensating_target", "first_masked_key", "flat_latents", "key_span", "latent_attention", "latent_inputs",
-    "layer_from_latents", "refit_values", "value_weights",
+    "ValueMoments", "add_batch", "assign_values", "compensating_target", "first_masked_key", "flat_latents",
+    "key_span", "latent_attention", "latent_inputs", "layer_from_latents", "refit_values", "value_weights",
 ]
 
 

@@ -30,7 +30,8 @@ A refinement that reads the converted stream (``--refine layer``, and ``--refine
 refitted from its inputs on the converted stream toward the source layer's attention output on the
 source stream plus the gap between the two streams' inputs, so it compensates the error the layers
 below it left (the value refit weighs that target against the source attention's own output on the
-converted input: ``--refine-compensate``); the refined layer is the one written and the one the converted stream runs through.
+converted input: ``--refine-compensate``); the refined layer is the one written and the one the
+converted stream runs through.
 ``--refine layer`` refits o_proj (and may train the attention: ``refine.refine_layer``), ``--refine
 values`` each head's value map and o_proj jointly from moments of the attention-weighted latents
 (``refine_values``); as that refit leaves the scores alone, the converted stream is carried on from the

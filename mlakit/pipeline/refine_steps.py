@@ -6,7 +6,8 @@ the streams weighed against the source attention's output on the converted input
 over the source stream with ``--refine-inputs source``: ``_refit_values``), ``--refine
 values-per-head`` head by head on the source stream and then o_proj, in two passes over it
 (``_refit_per_head``), and ``--refine layer`` refits and optionally trains it on the converted stream
-toward the source's targets plus the gap (the value refit's target at ``refine.compensate`` 1: ``_refine``). Each reads the source layer's inputs,
+toward the source's targets plus the gap (the value refit's target at ``refine.compensate`` 1:
+``_refine``). Each reads the source layer's inputs,
 and the source attention's output on them, either from what the source run before kept on disk
 (``kept_slot`` slots: the statistics pass of a two-pass plan, or the convert pass's own run in a
 one-pass plan) or from the source stream.
@@ -102,8 +103,8 @@ class RefineSteps:
         share = self.c.refine.compensate if converted else 1.0
         # the source layer: for the targets when not kept, and for its function on the converted input
         src_layer = self.src_layers.layer(i, tensors) if share < 1 or not self._targets_kept() else None
-        run = self.src_layers.run
-        source_function = lambda h, layer=src_layer: self.target_store.round(attention_output(layer, run, h))  # noqa: E731
+        run, round_ = self.src_layers.run, self.target_store.round
+        source_function = lambda h, layer=src_layer: round_(attention_output(layer, run, h))  # noqa: E731
         block = self._float32_layer(i, tensors, mla, mla_layers)
         moments = ValueMoments()
         latents = self._latent_store(i, block) if converted else None

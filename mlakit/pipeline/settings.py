@@ -179,7 +179,8 @@ def refine_settings(opts: ConvertOptions):
         return None
     try:
         return RefineSettings(method=opts.refine, inputs=opts.refine_inputs, compensate=opts.refine_compensate,
-                              epochs=opts.refine_epochs, lr=opts.refine_lr, batch=opts.refine_batch, sequences=opts.refine_sequences)
+                              epochs=opts.refine_epochs, lr=opts.refine_lr, batch=opts.refine_batch,
+                              sequences=opts.refine_sequences)
     except ValueError as exc:
         raise ConversionError(f"--refine-*: {exc}") from exc
 
