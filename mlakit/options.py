@@ -165,7 +165,8 @@ class ConvertOptions:
             "to the source's residual stream, x + attn_src(x) - x' - f: the least-squares fit weighs the two aims "
             "(reproduce the source's function; restore the source's stream) by 1 - share and share. 1: undo all "
             "of it (the only target before this option); 0: function matching only; 0.5: both aims weighed alike. "
-            "Costs one source attention per calibration batch when below 1.",
+            "Below 1 it runs the source attention on half the calibration sequences (f enters the fit through a "
+            "cross moment, estimated there against the source's own output as a control variate).",
             json_schema_extra={"accepts": "must be a share in [0, 1]"},
         ),
     ] = _DEFAULT_COMPENSATE

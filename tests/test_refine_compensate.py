@@ -10,20 +10,30 @@ import yaml
 
 from mlakit.arch import names
 from mlakit.convert.refine import RefineSettings
-from mlakit.convert.refine_values import compensating_target
+from mlakit.convert.refine_values import compensating_target, sampled_sequences
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
 from tests.convert_helpers import assert_same_bytes, checkpoint_tensors
 
 CALIB = dict(calib="random", calib_samples=48, calib_seq_len=32, dtype="float32", quiet=True)
 
 
-def _batch(seed: int = 0):
+def _batch(seed: int = 0, sequences: int = 4):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, 5, 8, generator=g) for _ in range(3)]  # a, x, x'
+    return [torch.randn(sequences, 5, 8, generator=g) for _ in range(3)]  # a, x, x'
+
+
+def test_half_the_sequences_in_every_fold_run_the_source_attention():
+    picked = sampled_sequences(0, 16)
+    assert picked.tolist() == [True, True, False, False] * 4
+    assert torch.equal(sampled_sequences(6, 4), picked[6:10])  # by index, whatever the batch
+    for fold in (0, 1):  # sequence k is in fold k % 2
+        assert int(picked[fold::2].sum()) == 4
 
 
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
-def test_the_target_weighs_the_source_function_against_the_stream_gap(share):
+@pytest.mark.parametrize("first", [0, 2])
+def test_the_target_weighs_the_source_function_against_the_stream_gap(share, first):
+    """Sampled sequences read f through a + 2 (f - a), the others read a; at SHARE 1 f is never needed."""
     a, x, x_conv = _batch()
     calls = []
 
@@ -31,21 +41,39 @@ def test_the_target_weighs_the_source_function_against_the_stream_gap(share):
         calls.append(h)
         return 2 * h + 1  # any function of the converted input
 
-    got = compensating_target(a, x, x_conv, share, source_function)
+    got = compensating_target(a, x, x_conv, share, source_function, first)
     gap, f = a + (x - x_conv), 2 * x_conv + 1
-    torch.testing.assert_close(got, (1 - share) * f + share * gap)
+    picked = sampled_sequences(first, 4)
+    anchor = torch.where(picked[:, None, None], 2 * f - a, a)
+    torch.testing.assert_close(got, (1 - share) * anchor + share * gap)
     if share == 1:  # the former target, bit for bit, and no source attention run for it
         assert torch.equal(got, gap) and not calls
-    else:
-        assert len(calls) == 1 and calls[0] is x_conv
-    # the least-squares target of (1 - share) ||y - f||^2 + share ||y - g||^2: its gradient vanishes there
-    assert float(((1 - share) * (got - f) + share * (got - gap)).abs().max()) < 1e-5
+    else:  # one run, on the sampled sequences only
+        assert len(calls) == 1 and torch.equal(calls[0], x_conv[picked])
+
+
+def test_the_estimate_is_exact_where_the_drift_response_is_alike():
+    """The control variate's error comes only from f - a differing between sequences: where every sequence
+    has the same f - a, the targets summed over the batch (what the cross moment adds up) are the full
+    blend's, (1 - share) f + share g."""
+    a, x, x_conv = _batch(2)
+    shift = torch.randn(1, 5, 8, generator=torch.Generator().manual_seed(3))
+    picked = sampled_sequences(0, 4)
+
+    def source_function(h):  # f - a is SHIFT in every sequence
+        assert torch.equal(h, x_conv[picked])
+        return a[picked] + shift
+
+    for share in (0.0, 0.5):
+        got = compensating_target(a, x, x_conv, share, source_function, 0)
+        full = (1 - share) * (a + shift) + share * (a + x - x_conv)
+        torch.testing.assert_close(got.sum(0), full.sum(0))
 
 
 def test_where_the_streams_agree_every_share_gives_the_source_output():
     a, x, _ = _batch(1)
     for share in (0.0, 0.5, 1.0):
-        assert torch.equal(compensating_target(a, x, x, share, lambda h: a), a)
+        assert torch.equal(compensating_target(a, x, x, share, lambda h: a[sampled_sequences(0, 4)], 0), a)
 
 
 def test_bad_shares_are_refused_by_the_settings():

@@ -94,7 +94,8 @@ class RefineSteps:
         output a on the source input x; on the converted stream (input x') it lies between x + a - x', so that
         the layer's residual output x' + attn(x') comes as close as it can to the source's x + a (the update
         also undoes what the layers below got wrong: ``_refine``'s target, there fitted by o_proj alone), and
-        the source attention's own output on x', weighed by ``refine.compensate`` (``compensating_target``).
+        the source attention's own output on x' (on half the sequences: ``compensating_target``), weighed by
+        ``refine.compensate``.
         The targets were kept by the source run before (``_targets_kept``), or the source stream is still at
         layer I's input and the source run that gives the targets carries it on to layer I + 1 (a one-pass plan
         advanced it already)."""
@@ -112,7 +113,7 @@ class RefineSteps:
             for s, x, target in self._source_batches(i, n, src_layer, self._advances(i)):
                 if converted:
                     x_conv = self.store.read(self._input_slot(i, CONVERTED), s, s + x.shape[0]).to(x.device)
-                    x, target = x_conv, compensating_target(target, x, x_conv, share, source_function)
+                    x, target = x_conv, compensating_target(target, x, x_conv, share, source_function, s)
                 a = add_batch(moments, block, mla_layers.run, x, target, s)
                 if kept is not None:
                     kept.write(a)

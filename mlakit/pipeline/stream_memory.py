@@ -142,8 +142,8 @@ def _stage_bytes(p: int, outputs: int) -> int:
 # again for the refit's quality (docs/results.md, "The joint value / o_proj refit"). Not counted here:
 # the work of the refit's inputs and targets rather than of its fit: carrying the converted stream on through
 # the refitted layer (its value maps, o_proj and MLP, from the refit's latents) when the refit reads that
-# stream (the default), and the source attention its target runs on that stream below full compensation
-# (the default); bench/convert_cost.py times the whole conversion.
+# stream (the default), and the source attention its target runs on half that stream's sequences below full
+# compensation (the default); bench/convert_cost.py times the whole conversion.
 REFIT_WORK_SHARE = 1.5
 _REFIT_SOLVES = 9  # ridge fits of one stage: about 4 ridges on each of 2 folds, then the final fit
 _FLOAT64_COST = 2  # a float64 product's time in float32 ones (half the SIMD lanes): the solves are float64
