@@ -50,6 +50,8 @@ def test_the_target_weighs_the_source_function_against_the_stream_gap(share, fir
         assert torch.equal(got, gap) and not calls
     else:  # one run, on the sampled sequences only
         assert len(calls) == 1 and torch.equal(calls[0], x_conv[picked])
+    # the least-squares target of (1 - share) ||y - anchor||^2 + share ||y - g||^2: its gradient vanishes there
+    assert float(((1 - share) * (got - anchor) + share * (got - gap)).abs().max()) < 1e-5
 
 
 def test_the_estimate_is_exact_where_the_drift_response_is_alike():
