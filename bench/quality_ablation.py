@@ -130,6 +130,21 @@ def main():
     print(f"source perplexity: {src_ppl}", flush=True)
 
     results, sums_by = [], {}
+
+    def write(complete: bool) -> dict:
+        """The tables so far (after every row, so a run stopped early keeps what it measured)."""
+        meta = {"source": args.source, "source_ppl": src_ppl,
+                "eval_tokens": {k: int(t.ids.numel()) for k, t in texts.items()},
+                "seq_len": args.seq_len, "stride": args.stride, "bootstrap": args.bootstrap,
+                "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
+                "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "rope_dim": args.rope_dim,
+                "lowrank_method": args.lowrank_method, "calib_data": args.calib_data or ConvertOptions().calib,
+                "seed": ConvertOptions().seed if args.seed is None else args.seed,
+                "seconds": round(time.time() - t0), "complete": complete}
+        (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        (args.out / "ablation.md").write_text(render(meta, results, names))
+        return meta
+
     for budget in [float(b) for b in args.budgets.split(",")]:
         for name in order:
             overrides, sequential = ROWS[name]
@@ -160,16 +175,9 @@ def main():
             print(f"{budget:<7} {name:52s} {seconds:6.0f} s  " + "  ".join(
                 f"{k} {c['ratio']:.3f}" + (f" ({c['vs_default']:.3f}x)" if "vs_default" in c else "")
                 for k, c in row["texts"].items()), flush=True)
+            write(complete=False)
 
-    meta = {"source": args.source, "source_ppl": src_ppl, "eval_tokens": {k: int(t.ids.numel()) for k, t in texts.items()},
-            "seq_len": args.seq_len, "stride": args.stride, "bootstrap": args.bootstrap,
-            "calib_samples": args.calib_samples or ConvertOptions().calib_samples,
-            "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "rope_dim": args.rope_dim,
-            "lowrank_method": args.lowrank_method, "calib_data": args.calib_data or ConvertOptions().calib,
-            "seed": ConvertOptions().seed if args.seed is None else args.seed,
-            "seconds": round(time.time() - t0)}
-    (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    (args.out / "ablation.md").write_text(render(meta, results, names))
+    meta = write(complete=True)
     print(render(meta, results, names))
 
 
@@ -185,13 +193,17 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
              f"{per_text}; "
              f"window {meta['seq_len']}, stride {meta['stride']}. In parentheses: ppl relative to the "
              f"closed-form row on the same windows with its 95% interval ({meta['bootstrap']} bootstrap "
-             f"resamples of the windows). Bold: the best row of a budget and text. Whole run {meta['seconds']} s.", ""]
+             f"resamples of the windows). Bold: the best row of a budget and text. Whole run {meta['seconds']} s"
+             + ("." if meta.get("complete", True) else ", stopped or still running: only the rows measured so far."),
+             ""]
     for budget in budgets:
         rows = [r for r in results if r["budget"] == budget]
         lines += [f"**kv_budget {budget:g} ({1 - budget:.2%} less KV)**", "",
                   "| row | " + " | ".join(texts) + " | convert s |", "|---|" + "---|" * (len(texts) + 1)]
         for name in names:
-            r = next(x for x in rows if x["row"] == name)
+            r = next((x for x in rows if x["row"] == name), None)
+            if r is None:  # not measured yet
+                continue
             cells = []
             for t in texts:
                 c = r["texts"][t]
