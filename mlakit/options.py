@@ -44,7 +44,9 @@ RECIPE_FIELDS = (
     "calib", "calib_samples", "calib_seq_len", "dtype",
 )  # fmt: skip
 
-_DEFAULT_COMPENSATE = 0.5  # the two aims of the converted-stream refit weighed alike (refine_compensate)
+# the two aims of the converted-stream refit weighed alike: the one share that bounds both aims' excess losses
+# alike in every layer (refine_values.compensating_target says why)
+_DEFAULT_COMPENSATE = 0.5
 _RUN = {"recipe": False}  # json_schema_extra of the fields not in RECIPE_FIELDS (checked below)
 _NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--quiet
 

@@ -11,6 +11,7 @@ import yaml
 from mlakit.arch import names
 from mlakit.convert.refine import RefineSettings
 from mlakit.convert.refine_values import compensating_target, sampled_sequences
+from mlakit.convert.refit_moments import ridge_solve
 from mlakit.pipeline.api import ConvertOptions, convert, convert_streaming
 from tests.convert_helpers import assert_same_bytes, checkpoint_tensors
 
@@ -28,6 +29,21 @@ def test_half_the_sequences_in_every_fold_run_the_source_attention():
     assert torch.equal(sampled_sequences(6, 4), picked[6:10])  # by index, whatever the batch
     for fold in (0, 1):  # sequence k is in fold k % 2
         assert int(picked[fold::2].sum()) == 4
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75])
+def test_half_is_the_share_that_bounds_both_aims_excess_losses_alike(share):
+    """The default's reason (``compensating_target``): fitted toward f + S (g - f), aim f's loss exceeds its own
+    best fit's by S^2 ||P (g - f)||^2 and aim g's by (1 - S)^2 times the same, so only S = 1/2 equalises them."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(400, 6, generator=g, dtype=torch.float64)
+    f, gap = torch.randn(2, 400, 4, generator=g, dtype=torch.float64)
+    fit = lambda target: ridge_solve(z.T @ z, z.T @ target, 1e-12) @ z.T  # noqa: E731  (4, 400): the fitted y
+    excess = lambda aim, target: float((fit(target).T - aim).square().sum() - (fit(aim).T - aim).square().sum())  # noqa: E731
+    blend = torch.lerp(f, gap, share)
+    off_f, off_gap = excess(f, blend), excess(gap, blend)
+    assert off_f / off_gap == pytest.approx(share**2 / (1 - share) ** 2, rel=1e-6)
+    assert (off_f == pytest.approx(off_gap, rel=1e-6)) == (share == 0.5)
 
 
 @pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 1.0])
