@@ -38,8 +38,14 @@ def test_half_is_the_share_that_bounds_both_aims_excess_losses_alike(share):
     g = torch.Generator().manual_seed(3)
     z = torch.randn(400, 6, generator=g, dtype=torch.float64)
     f, gap = torch.randn(2, 400, 4, generator=g, dtype=torch.float64)
-    fit = lambda target: ridge_solve(z.T @ z, z.T @ target, 1e-12) @ z.T  # noqa: E731  (4, 400): the fitted y
-    excess = lambda aim, target: float((fit(target).T - aim).square().sum() - (fit(aim).T - aim).square().sum())  # noqa: E731
+
+    def loss(aim, target):  # the fit toward TARGET, scored against AIM
+        fitted = (ridge_solve(z.T @ z, z.T @ target, 1e-12) @ z.T).T
+        return float((fitted - aim).square().sum())
+
+    def excess(aim, target):  # over the loss of fitting AIM itself
+        return loss(aim, target) - loss(aim, aim)
+
     blend = torch.lerp(f, gap, share)
     off_f, off_gap = excess(f, blend), excess(gap, blend)
     assert off_f / off_gap == pytest.approx(share**2 / (1 - share) ** 2, rel=1e-6)
