@@ -57,6 +57,44 @@ def build_model(source, shape, layers):
     return model
 
 
+def write(out: Path, args, base: float, ids, windows: int, names: list[str], results: list[dict], seconds: int,
+          complete: bool) -> str:
+    """sweep.json and sweep.md of the rows measured so far (after every row, so a run stopped early keeps them);
+    returns the table."""
+    meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": args.eval_data,
+            "seq_len": args.seq_len, "stride": args.stride, "calib_samples": args.calib_samples,
+            "calib_seq_len": args.calib_seq_len, "seconds": seconds, "complete": complete}
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    budgets = sorted({r["budget"] for r in results}, reverse=True)
+    lines = ["| method | " + " | ".join(f"{b:g} ({1 - b:.2%} less KV)" for b in budgets) + " |",
+             "|---|" + "---|" * len(budgets)]
+    for name in names:
+        cells = []
+        for b in budgets:
+            row = next((r for r in results if r["budget"] == b and r["method"] == name), None)
+            if row is None:  # not measured (yet)
+                cells.append("–")
+                continue
+            best = min(r["ppl_ratio"] for r in results if r["budget"] == b)
+            cell = f"{row['ppl_ratio']:.2f}"
+            cell = f"**{cell}**" if math.isclose(row["ppl_ratio"], best) else cell
+            if row.get("vs_default_ci95"):
+                lo, hi = row["vs_default_ci95"]
+                cell += f" ({row['vs_default']:.3f}× default, {lo:.3f}–{hi:.3f})"
+            cells.append(cell)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    (out / "sweep.md").write_text(f"Perplexity ratio (converted / source, source ppl {base:.3f}); "
+                                  f"{ids.numel()} eval tokens of {args.eval_data}, window {args.seq_len}, "
+                                  f"stride {args.stride}. "
+                                  f"In parentheses: perplexity relative to the default row on the same windows, "
+                                  f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
+                                  f"{windows} windows. Whole run {seconds} s"
+                                  + ("." if complete else ", stopped or still running: only the rows measured so far.")
+                                  + f"\n\n{table}\n")
+    return table
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default="default")
@@ -125,34 +163,9 @@ def main():
             results.append(row)
             print(f"{frac:<7} {name:48s} ppl {p:9.3f}  ratio {p / base:7.3f}  CI {row['ratio_ci95']}  "
                   f"vs default {row.get('vs_default')} CI {row.get('vs_default_ci95')}", flush=True)
+            write(out, args, base, ids, len(text.windows), names, results, round(time.time() - t0), False)
 
-    meta = {"source": args.source, "source_ppl": base, "eval_tokens": int(ids.numel()), "eval_data": args.eval_data,
-            "seq_len": args.seq_len, "stride": args.stride, "calib_samples": args.calib_samples,
-            "calib_seq_len": args.calib_seq_len, "seconds": round(time.time() - t0)}
-    (out / "sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    budgets = sorted({r["budget"] for r in results}, reverse=True)
-    lines = ["| method | " + " | ".join(f"{b:g} ({1 - b:.2%} less KV)" for b in budgets) + " |",
-             "|---|" + "---|" * len(budgets)]
-    for name in names:
-        cells = []
-        for b in budgets:
-            row = next(r for r in results if r["budget"] == b and r["method"] == name)
-            best = min(r["ppl_ratio"] for r in results if r["budget"] == b)
-            cell = f"{row['ppl_ratio']:.2f}"
-            cell = f"**{cell}**" if math.isclose(row["ppl_ratio"], best) else cell
-            if row.get("vs_default_ci95"):
-                lo, hi = row["vs_default_ci95"]
-                cell += f" ({row['vs_default']:.3f}× default, {lo:.3f}–{hi:.3f})"
-            cells.append(cell)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    (out / "sweep.md").write_text(f"Perplexity ratio (converted / source, source ppl {base:.3f}); "
-                                  f"{ids.numel()} eval tokens of {args.eval_data}, window {args.seq_len}, "
-                                  f"stride {args.stride}. "
-                                  f"In parentheses: perplexity relative to the default row on the same windows, "
-                                  f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
-                                  f"{len(text.windows)} windows.\n\n"
-                                  f"{table}\n")
+    table = write(out, args, base, ids, len(text.windows), names, results, round(time.time() - t0), True)
     print(table)
     try:
         import matplotlib
