@@ -5,10 +5,11 @@ included) in a child process ``--runs`` times; the peak RSS is the child's own (
 Before each run the bench measures this machine's float32 GEMM rate on a matrix product of the
 default model's MLP shape, because machines of one type differ (the same code has taken
 80 s and 160 s on different days): the rate says how fast the machine was, and the matmul work
-of the calibration divided by it is a floor for the calibration's time on that machine. After
-each run it also times that floor directly: the bare decoder forward over the same calibration
-tokens (``--no-forward-floor`` skips it). Each run's phase times come from the conversion's own
-``conversion.json``. Writes bench/results/convert_cost.{md,json}.
+of the calibration divided by it is a floor for the calibration's time on that machine. Before and
+after each run it also times that floor directly: the bare decoder forward over the same calibration
+tokens (``--no-forward-floor`` skips it); the run's wall is compared with the mean of the two, since the
+machine's speed can change within a run of several minutes, and the two say by how much it did. Each
+run's phase times come from the conversion's own ``conversion.json``. Writes bench/results/convert_cost.{md,json}.
 
     python bench/convert_cost.py                       # 3 runs of the main job
     python bench/convert_cost.py --runs 1 --no-write-results
@@ -94,13 +95,14 @@ def main() -> None:
     ap.add_argument("--recipe", default="smollm2-135m")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-write-results", action="store_true")
-    ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timing after each run")
+    ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timings around each run")
     ap.add_argument("--name", default="convert_cost", help="results file name (bench/results/NAME.{md,json})")
     args = ap.parse_args()
     runs = []
     with tempfile.TemporaryDirectory(prefix="convert-cost-") as tmp:
         for i in range(args.runs):
             gflops = gemm_gflops()
+            before = None if args.no_forward_floor else forward_floor_s(args.src, args.recipe)
             out = Path(tmp) / f"run{i}"
             cmd = [sys.executable, "-c", "from mlakit.cli import main; main()", "convert", args.src, str(out),
                    "--recipe", args.recipe, "-q"]
@@ -113,12 +115,15 @@ def main() -> None:
                 "gemm_gflops_before": round(gflops, 1),
                 "calibration_matmul_gflop": round(work, 1),
                 "calibration_floor_s": round(work / gflops, 1),
-                "forward_floor_s": None if args.no_forward_floor else round(forward_floor_s(args.src, args.recipe), 1),
+                "forward_before_s": None if before is None else round(before, 1),
+                "forward_after_s": None if before is None else round(forward_floor_s(args.src, args.recipe), 1),
                 "phase_seconds": report["pipeline"]["phase_seconds"],
                 "kv_values_per_token": report["kv_values_per_token"],
             })
-            if runs[-1]["forward_floor_s"]:
-                runs[-1]["x_bare_forward"] = round(runs[-1]["wall_s"] / runs[-1]["forward_floor_s"], 2)
+            if before is not None:
+                run = runs[-1]
+                run["forward_floor_s"] = round((run["forward_before_s"] + run["forward_after_s"]) / 2, 1)
+                run["x_bare_forward"] = round(run["wall_s"] / run["forward_floor_s"], 2)
             print(json.dumps(runs[-1]), flush=True)
     result = {
         "command": f"mla-convert convert {args.src} OUT --recipe {args.recipe} -q",
@@ -138,24 +143,32 @@ def main() -> None:
 
 def markdown(result: dict) -> str:
     phases = list(result["runs"][0]["phase_seconds"] or {})
-    head = ["run", "wall s", "peak RSS GB", "CPU s", "GEMM GFLOP/s", "calibration floor s", "bare forward s",
-            "wall / bare forward", *[f"{p} s" for p in phases]]
+    head = ["run", "wall s", "peak RSS GB", "CPU s", "GEMM GFLOP/s", "calibration floor s",
+            "bare forward before / after s", "wall / bare forward", *[f"{p} s" for p in phases]]
     lines = [f"Command: `{result['command']}`; {result['machine']['cpu']}, {result['machine']['torch_threads']} "
              f"torch threads. Goals: under {GOALS['wall_s']:.0f} s wall and {GOALS['peak_rss_gb']} GB peak RSS; at most "
              f"{GOALS['x_bare_forward']:.0f}x the bare forward measured beside it.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(result["runs"]):
         cells = [i + 1, r["wall_s"], r["peak_rss_gb"], r["cpu_s"], r["gemm_gflops_before"], r["calibration_floor_s"],
-                 r.get("forward_floor_s"), r.get("x_bare_forward"), *[(r["phase_seconds"] or {}).get(p) for p in phases]]
+                 _before_after(r), r.get("x_bare_forward"), *[(r["phase_seconds"] or {}).get(p) for p in phases]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     med = result["median"]
     ratio = f", {med['x_bare_forward']}x the bare forward" if "x_bare_forward" in med else ""
     lines += ["", f"Median: {med['wall_s']} s wall{ratio}, {med['peak_rss_gb']} GB peak RSS, "
               f"GEMM {med['gemm_gflops_before']} GFLOP/s. The floor is the calibration's matrix-product work "
               f"({result['runs'][0]['calibration_matmul_gflop']} GFLOP) at the GEMM rate measured before the run. "
-              "The bare forward is measured after the run: the decoder forward over the same calibration tokens "
-              "in the same batches, with no statistics, backward pass or LM head (no method can skip it).", ""]
+              "The bare forward is measured before and after the run: the decoder forward over the same calibration "
+              "tokens in the same batches, with no statistics, backward pass or LM head (no method can skip it); the "
+              "ratio is to the mean of the two.", ""]
     return "\n".join(lines)
+
+
+def _before_after(run: dict) -> str | None:
+    """The bare forward's cell: before / after the run (results before session 33 timed it after only)."""
+    if run.get("forward_before_s") is not None:
+        return f"{run['forward_before_s']} / {run['forward_after_s']}"
+    return None if run.get("forward_floor_s") is None else f"– / {run['forward_floor_s']}"
 
 
 if __name__ == "__main__":
