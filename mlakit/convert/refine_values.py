@@ -11,8 +11,9 @@ which need no forward of the converted model.
 
 Only W_UV and o_proj change: the latent, the rotary key, the scores and so the cache stay as the
 closed form made them. The refit is skipped when the start is already exact (the full-rank
-conversion must stay bit-exact), when no ridge beats the closed form on held-out sequences, and
-when it does not lower the calibration loss: it never returns a higher loss than it was given.
+conversion must stay bit-exact), when a validation fold holds fewer tokens than the fit has unknowns
+per output, when no ridge beats the closed form on held-out sequences, and when it does not lower the
+calibration loss: it never returns a higher loss than it was given.
 """
 
 from __future__ import annotations
@@ -254,6 +255,11 @@ def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | N
         return done("start (already exact)", start_loss)
     if any(f[2] == 0 for f in folds):
         return done("start", before, refit="skipped: two-fold validation needs at least 2 sequences")
+    unknowns = total[0].shape[0]  # per output: one weight per entry of a
+    if min(moments.rows) < unknowns:  # a fold's own fit is then set by the prior wherever the fold is silent, and
+        # which ridge holds out best is read off one or two sequences: too noisy to trust over the closed form
+        return done("start", before, refit=f"skipped: a validation fold holds {min(moments.rows)} tokens, fewer than "
+                    f"the {unknowns} unknowns per output of the fit; calibrate on more tokens")
     H, d = attn.num_heads, attn.v_head_dim
     rms = float(w_uv.square().mean().sqrt())
     start_map = effective_map(w_uv, w_o)

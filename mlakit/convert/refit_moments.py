@@ -76,12 +76,13 @@ Moments = tuple  # (Sigma_zz (p, p), Sigma_zr (p, D), sum ||r||^2): float64, one
 
 
 class FoldMoments:
-    """sum z z^T, sum z r^T and sum ||r||^2 (float64) over rows z, r, in two folds: sequence k
-    of the calibration set belongs to fold k % 2. Each batch's products are taken in PRODUCT_DTYPE
+    """sum z z^T, sum z r^T and sum ||r||^2 (float64) over rows z, r, in two folds, and each fold's row count:
+    sequence k of the calibration set belongs to fold k % 2. Each batch's products are taken in PRODUCT_DTYPE
     and summed in float64 (float32 products take half the time of float64 ones)."""
 
     def __init__(self, product_dtype: torch.dtype = torch.float64):
         self.folds = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+        self.rows = [0, 0]  # the rows (tokens) summed into each fold
         self.product_dtype = product_dtype
 
     def add(self, z: torch.Tensor, r: torch.Tensor, first: int) -> None:
@@ -93,6 +94,7 @@ class FoldMoments:
             fold[0] = fold[0] + _upper_gram(zk).double()
             fold[1] = fold[1] + (zk.T @ rk).double()
             fold[2] += float(rk.double().square().sum())
+            self.rows[k] += zk.shape[0]
 
     def result(self) -> list[Moments]:
         return [(_mirror(f[0]), f[1], f[2]) for f in self.folds]
