@@ -198,7 +198,8 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
              + (f"--lowrank-method {meta['lowrank_method']} in every row but TransMLA's; " if meta.get("lowrank_method") else "") +
              f"{per_text}; "
              f"window {meta['seq_len']}, stride {meta['stride']}. In parentheses: ppl relative to the "
-             f"row '{meta.get('base_row', BASE_ROW)}' on the same windows with its 95% interval ({meta['bootstrap']} bootstrap "
+             f"row '{meta.get('base_row', BASE_ROW)}' on the same windows with its 95% interval "
+             f"({meta['bootstrap']} bootstrap "
              f"resamples of the windows). Bold: the best row of a budget and text. Whole run {meta['seconds']} s"
              + ("." if meta.get("complete", True) else ", stopped or still running: only the rows measured so far."),
              ""]

@@ -90,7 +90,8 @@ def write(out: Path, args, base: float, ids, windows: int, names: list[str], res
                                   f"In parentheses: perplexity relative to the default row on the same windows, "
                                   f"with a 95% interval from {args.bootstrap} bootstrap resamples of the "
                                   f"{windows} windows. Whole run {seconds} s"
-                                  + ("." if complete else ", stopped or still running: only the rows measured so far.")
+                                  + ("." if complete else
+                                     ", stopped or still running: only the rows measured so far.")
                                   + f"\n\n{table}\n")
     return table
 
