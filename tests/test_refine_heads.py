@@ -73,6 +73,27 @@ def test_refit_needs_two_sequences_to_validate(tiny_sources):
     assert report["kept"] == "start" and "two-fold" in report["refit"]
 
 
+def test_refit_from_fewer_tokens_than_a_heads_latent_keeps_the_closed_form(tiny_sources):
+    """2 sequences of 4 tokens: each fold holds fewer tokens than a head's value map has unknowns per output
+    (its latent dims), so no held-out ridge choice is trusted and nothing changes."""
+    block, run, x, o = _case(tiny_sources, "llama_gqa", 8, 12)
+    before = state_copy(block)
+    report = refit_per_head(block, run, _batches(x[:2, :4], o[:2, :4], batch=1))
+    assert report["kept"] == "start" and "4 tokens, fewer than the 12 unknowns" in report["refit"], report
+    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
+
+
+def test_o_proj_refit_from_fewer_tokens_than_its_inputs_keeps_o_proj(tiny_sources):
+    """Folds of 48 tokens: enough for each head's 12-dim latent, too few for o_proj's 64 inputs. The value maps
+    are refitted; o_proj is kept bit for bit, and the report says why."""
+    block, run, x, o = _case(tiny_sources, "llama_gqa", 8, 12)
+    weight = block.self_attn.o_proj.weight.clone()
+    report = refit_per_head(block, run, _batches(x[:4, :24], o[:4, :24], batch=1))
+    assert "48 tokens, fewer than the 64 unknowns" in report["o_proj_refit"], report
+    assert report["kept"] == "values refit per head" and report["loss_after"] < report["loss_before"], report
+    assert torch.equal(block.self_attn.o_proj.weight, weight)
+
+
 # -- in the driver ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("refine", [dict(refine="values", refine_compensate=1.0), dict(refine="values"),

@@ -19,7 +19,8 @@ Loss: the relative squared error of the layer's update, sum ||f(x) - y||^2 / sum
 
 Steps: first the least-squares refit of ``o_proj`` given the converted path's attention outputs
 (``attention`` loss only; its ridge chosen by two-fold cross-validation over the calibration
-sequences, and skipped when no ridge beats the closed form on held-out sequences), then Adam with
+sequences, and skipped when a fold holds fewer tokens than o_proj has inputs or no ridge beats the closed
+form on held-out sequences: ``refit_moments.fold_check``), then Adam with
 a cosine-decayed step size. Adam moves every element by about its step size per step, so each tensor's step size is ``lr`` times its RMS: a relative
 change of the weights, the same for any model's weight scale. The loss is evaluated before and
 after on the same calibration sequences and the best of the start, the refit and the Adam result
@@ -51,7 +52,7 @@ from torch import nn
 
 from ..arch.names import MLA_ATTN_PROJ
 from ..choices import REFINE_FIXED_INPUTS, REFINE_INPUTS, REFINE_MODES
-from .refit_moments import FoldMoments, choose_ridge, loss_of, ridge_solve, sum_folds, with_one
+from .refit_moments import FoldMoments, choose_ridge, fold_check, loss_of, ridge_solve, sum_folds, with_one
 
 __all__ = ["ATTENTION_PARAMS", "EXACT_LOSS", "REFINE_LOSSES", "REFINE_METHODS", "RefineSettings", "attention_output",
            "attention_residual", "exact_loss", "layer_loss", "refine_layer", "run_to_attention"]
@@ -235,7 +236,8 @@ def _o_proj_moments(block, run, inputs, targets):
     sum ||R||^2 (float64), with z the attention's output before o_proj ([z; 1] when o_proj has a
     bias) and r = y - x the update the attention should add. The attention loss is quadratic in
     W = [W_o | b], so these moments give the loss of any o_proj exactly, on either fold or both,
-    with no further pass (refit_moments.quadratic_error)."""
+    with no further pass (refit_moments.quadratic_error). Returns the ``FoldMoments``, which also count
+    each fold's tokens."""
     o = block.self_attn.o_proj
     seen = {}
     handle = o.register_forward_pre_hook(lambda module, args: seen.__setitem__("z", args[0]))
@@ -247,7 +249,7 @@ def _o_proj_moments(block, run, inputs, targets):
             moments.add(with_one(seen["z"].double(), o.bias is not None), y - x, s)
     finally:
         handle.remove()
-    return moments.result()
+    return moments
 
 
 def _o_proj_matrix(o) -> torch.Tensor:
@@ -319,7 +321,8 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
     try:
         attn = block.self_attn
         if settings.refit_o_proj:  # one pass gives the loss before and after the refit (exactly)
-            folds = _o_proj_moments(block, run, inputs, targets)
+            accumulated = _o_proj_moments(block, run, inputs, targets)
+            folds = accumulated.result()
             moments = sum_folds(folds)
             before = loss_of(_o_proj_matrix(attn.o_proj), *moments)
         else:
@@ -329,8 +332,8 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
             return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
                              "seconds": round(time.time() - start, 3)}
         best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})
-        if settings.refit_o_proj and n < 2:
-            report["refit"] = "skipped: two-fold validation needs at least 2 sequences"
+        if settings.refit_o_proj and (why := fold_check(accumulated.rows, moments[0].shape[0])):
+            report["refit"] = why
         elif settings.refit_o_proj:
             ridge, validation = choose_ridge(_o_proj_matrix(attn.o_proj), folds,
                                              lambda f, ridge: ridge_solve(*folds[f][:2], ridge))
@@ -348,7 +351,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
                         o.bias.copy_(w[:, -1].to(o.bias.dtype))
                     best = (loss_of(_o_proj_matrix(o), *moments), "o_proj refit",
                             {k: v.detach().clone() for k, v in attn.state_dict().items()})
-            del folds, moments
+            del accumulated, folds, moments
         steps = settings.steps(n)
         if steps:
             for _, p in _parameters(block, settings.params):

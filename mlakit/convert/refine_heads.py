@@ -16,8 +16,9 @@ a_h (``refine_values.latent_inputs``) on the source layer's own input:
    it absorbs across heads what step 1 left.
 
 The latent, the scores and so the cache never change. Like the joint refit, it is skipped when the start
-is already exact, and it never returns a higher calibration loss (measured directly before, from the
-moments after) than it was given.
+is already exact or a validation fold holds fewer tokens than the fit has unknowns per output
+(``refit_moments.fold_check``; step 2 alone is skipped where only o_proj's H d are too many), and it never
+returns a higher calibration loss (measured directly before, from the moments after) than it was given.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .refit_moments import (
     VALUE_RIDGES,
     FoldMoments,
     choose_ridge,
+    fold_check,
     loss_of,
     ridge_solve,
     sum_folds,
@@ -53,6 +55,7 @@ class HeadMoments:
 
     def __init__(self):
         self.folds: list[list[torch.Tensor] | None] = [None, None]
+        self.rows = [0, 0]  # the rows (tokens) summed into each fold
         self.error = self.energy = 0.0
 
     def add(self, a: torch.Tensor, o: torch.Tensor, first: int) -> None:
@@ -62,6 +65,7 @@ class HeadMoments:
             ok = o[(first + k) % 2 :: 2].flatten(0, 1).transpose(0, 1)  # (H, N, d)
             if ak.shape[1] == 0:
                 continue
+            self.rows[k] += ak.shape[1]
             at = ak.transpose(1, 2)
             new = [(at @ ak).double(), (at @ ok).double(), (ok.transpose(1, 2) @ ok).double()]
             fold = self.folds[k]
@@ -140,8 +144,8 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
         return done("start (already exact)", before)
     metric = _head_metric(w_o0, H, d)
     folds = moments.result(metric)
-    if any(f[2] == 0 for f in folds):
-        return done("start", before, refit="skipped: two-fold validation needs at least 2 sequences")
+    if why := fold_check(moments.rows, w_uv0.shape[-1]):  # unknowns per output: a head's latent dims
+        return done("start", before, refit=why)
     ridge, validation = choose_ridge(w_uv0, folds, lambda f, r: _fit_heads(folds[f], r, w_uv0), VALUE_RIDGES,
                                      error=lambda w, m: _head_error(w, m, metric), first=start_ridge)
     report |= {"values_" + k: v for k, v in validation.items()} | {"ridge": validation["ridge"]}
@@ -156,8 +160,11 @@ def refit_per_head(block: nn.Module, run: Callable, batches: Batches, start_ridg
         out.add(with_one(z, bias), torch.nn.functional.linear(o.float(), weight, o_bias), first)
     folds = out.result()
     total = sum_folds(folds)
-    o_ridge, o_validation = choose_ridge(w_o0, folds, lambda f, r: ridge_solve(*folds[f][:2], r, w_o0), RIDGES,
-                                         first=start_o_ridge)
+    if why := fold_check(out.rows, total[0].shape[0]):  # o_proj has more unknowns per output than a head's map
+        o_ridge, o_validation = None, {"refit": why}
+    else:
+        o_ridge, o_validation = choose_ridge(w_o0, folds, lambda f, r: ridge_solve(*folds[f][:2], r, w_o0), RIDGES,
+                                             first=start_o_ridge)
     report |= {"o_proj_" + k: v for k, v in o_validation.items()}
     w_o = w_o0 if o_ridge is None else ridge_solve(total[0], total[1], o_ridge, w_o0)
     assign_values(attn, w_uv, w_o)

@@ -31,6 +31,7 @@ from .refit_moments import (
     choose_ridge,
     effective_map,
     fit_values,
+    fold_check,
     head_roots,
     loss_of,
     project_moments,
@@ -253,13 +254,8 @@ def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | N
     if start_loss is not None and start_loss <= exact:
         report["loss_before"] = start_loss  # measured directly; the moments' rounding is larger
         return done("start (already exact)", start_loss)
-    if any(f[2] == 0 for f in folds):
-        return done("start", before, refit="skipped: two-fold validation needs at least 2 sequences")
-    unknowns = total[0].shape[0]  # per output: one weight per entry of a
-    if min(moments.rows) < unknowns:  # a fold's own fit is then set by the prior wherever the fold is silent, and
-        # which ridge holds out best is read off one or two sequences: too noisy to trust over the closed form
-        return done("start", before, refit=f"skipped: a validation fold holds {min(moments.rows)} tokens, fewer than "
-                    f"the {unknowns} unknowns per output of the fit; calibrate on more tokens")
+    if why := fold_check(moments.rows, total[0].shape[0]):  # unknowns per output: one weight per entry of a
+        return done("start", before, refit=why)
     H, d = attn.num_heads, attn.v_head_dim
     rms = float(w_uv.square().mean().sqrt())
     start_map = effective_map(w_uv, w_o)

@@ -48,6 +48,7 @@ __all__ = [
     "FoldMoments",
     "choose_ridge",
     "effective_map",
+    "fold_check",
     "fit_values",
     "head_roots",
     "loss_of",
@@ -149,6 +150,20 @@ def ridge_solve(
     if int(info) == 0:
         return torch.cholesky_solve(rhs, factor).T
     return torch.linalg.solve(lhs, rhs).T
+
+
+def fold_check(rows: list[int], unknowns: int) -> str | None:
+    """Why a ridge chosen by two-fold validation over folds of ROWS tokens each cannot be trusted for a fit with
+    UNKNOWNS weights per output, or None when it can. An empty fold validates nothing. A fold with fewer tokens
+    than unknowns leaves directions of the fit's input it never excites, where its own fit is set by the prior
+    alone, and which ridge holds out best is then read off one or two sequences: too noisy to trust over the
+    closed form (a refit from such folds made unseen sequences worse, tests/test_refine_values.py)."""
+    if min(rows) == 0:
+        return "skipped: two-fold validation needs at least 2 sequences"
+    if min(rows) < unknowns:
+        return (f"skipped: a validation fold holds {min(rows)} tokens, fewer than the {unknowns} unknowns per "
+                f"output of the fit; calibrate on more tokens")
+    return None
 
 
 def choose_ridge(
