@@ -351,6 +351,7 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
                         o.bias.copy_(w[:, -1].to(o.bias.dtype))
                     best = (loss_of(_o_proj_matrix(o), *moments), "o_proj refit",
                             {k: v.detach().clone() for k, v in attn.state_dict().items()})
+        if settings.refit_o_proj:  # the moments are done with before Adam, whether or not the refit ran
             del accumulated, folds, moments
         steps = settings.steps(n)
         if steps:
