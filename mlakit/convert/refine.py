@@ -332,27 +332,27 @@ def refine_layer(block: nn.Module, run: Callable, inputs: torch.Tensor, targets:
             return report | {"loss_after": before, "kept": "start (already exact)", "steps": 0,
                              "seconds": round(time.time() - start, 3)}
         best = (before, "start", {k: v.detach().clone() for k, v in attn.state_dict().items()})
-        if settings.refit_o_proj and (why := fold_check(accumulated.rows, moments[0].shape[0])):
-            report["refit"] = why
-        elif settings.refit_o_proj:
-            ridge, validation = choose_ridge(_o_proj_matrix(attn.o_proj), folds,
-                                             lambda f, ridge: ridge_solve(*folds[f][:2], ridge))
-            report |= validation
-            if ridge is None:
-                report["refit"] = "skipped: no ridge beat the closed form on held-out sequences"
+        if settings.refit_o_proj:
+            if why := fold_check(accumulated.rows, moments[0].shape[0]):
+                report["refit"] = why
             else:
-                w = ridge_solve(moments[0], moments[1], ridge)
-                refit = loss_of(w, *moments)
-                report["loss_after_refit"] = refit
-                if refit < best[0]:
-                    o = attn.o_proj
-                    o.weight.copy_(w[:, : o.in_features].to(o.weight.dtype))
-                    if o.bias is not None:
-                        o.bias.copy_(w[:, -1].to(o.bias.dtype))
-                    best = (loss_of(_o_proj_matrix(o), *moments), "o_proj refit",
-                            {k: v.detach().clone() for k, v in attn.state_dict().items()})
-        if settings.refit_o_proj:  # the moments are done with before Adam, whether or not the refit ran
-            del accumulated, folds, moments
+                ridge, validation = choose_ridge(_o_proj_matrix(attn.o_proj), folds,
+                                                 lambda f, ridge: ridge_solve(*folds[f][:2], ridge))
+                report |= validation
+                if ridge is None:
+                    report["refit"] = "skipped: no ridge beat the closed form on held-out sequences"
+                else:
+                    w = ridge_solve(moments[0], moments[1], ridge)
+                    refit = loss_of(w, *moments)
+                    report["loss_after_refit"] = refit
+                    if refit < best[0]:
+                        o = attn.o_proj
+                        o.weight.copy_(w[:, : o.in_features].to(o.weight.dtype))
+                        if o.bias is not None:
+                            o.bias.copy_(w[:, -1].to(o.bias.dtype))
+                        best = (loss_of(_o_proj_matrix(o), *moments), "o_proj refit",
+                                {k: v.detach().clone() for k, v in attn.state_dict().items()})
+            del accumulated, folds, moments  # done with before Adam, whether or not the refit ran
         steps = settings.steps(n)
         if steps:
             for _, p in _parameters(block, settings.params):
