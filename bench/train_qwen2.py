@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,8 +83,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.out.exists() and any(args.out.iterdir()):
-        raise SystemExit(f"{args.out} exists and is not empty; pass a new directory")
+    if args.out.exists():
+        raise SystemExit(f"{args.out} exists; pass a new path (the model is written there whole, at the end)")
     torch.manual_seed(args.seed)
     docs = corpus()
     tokenizer = train_tokenizer(docs)
@@ -92,8 +93,8 @@ def main():
     print(f"{len(docs)} documents, {ids.numel()} tokens; training {args.steps * BATCH * SEQ_LEN} tokens", flush=True)
 
     model = Qwen2ForCausalLM(qwen2_config(eos))
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    rest = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    rest = [p for p in model.parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     gen = torch.Generator().manual_seed(args.seed)
@@ -114,13 +115,16 @@ def main():
             log.append({"step": step + 1, "loss": round(running, 4), "seconds": round(time.time() - start, 1)})
             print(log[-1], flush=True)
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    # written beside OUT and renamed at the end, so an interrupted run leaves no half-written model at OUT
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.partial-"))
     model.eval()
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     settings = {"steps": args.steps, "lr": args.lr, "seed": args.seed, "batch": BATCH, "seq_len": SEQ_LEN,
                 "vocab": VOCAB, "corpus_tokens": int(ids.numel()), "torch_threads": torch.get_num_threads()}
-    (args.out / "train.json").write_text(json.dumps({"settings": settings, "loss": log}, indent=1) + "\n")
+    (tmp / "train.json").write_text(json.dumps({"settings": settings, "loss": log}, indent=1) + "\n")
+    tmp.rename(args.out)
     print(f"wrote {args.out}", flush=True)
 
 
