@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quality_ablation import load_texts  # noqa: E402
 from window_bootstrap import ScoredText  # noqa: E402
 
+from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.rope_select import auto_fold  # noqa: E402
 from mlakit.io.source import open_source  # noqa: E402
 from mlakit.mla_model import MLAForCausalLM  # noqa: E402
@@ -38,8 +39,7 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=16384)
     args = ap.parse_args()
     source = open_source(args.source)
-    head_dim = source.config.head_dim if getattr(source.config, "head_dim", None) else \
-        source.config.hidden_size // source.config.num_attention_heads
+    head_dim = attention_shape(source.config).head_dim
     texts = {k: ScoredText(ids, 512, 256, 1) for k, ids in load_texts(source.tokenizer(), args.eval_tokens).items()}
     base = {k: t.ratio(t.sums(source.load_model(torch.float32))) for k, t in texts.items()}
     print("d_R | fold | auto fold | " + " | ".join(texts))

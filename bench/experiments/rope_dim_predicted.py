@@ -13,13 +13,14 @@ are closed-form predictions: they do not see the value refit the default runs af
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from mlakit.arch.families import attention_shape
 from mlakit.convert.assemble import read_attention
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.rank_plan import kl_curve, plan_ranks
 from mlakit.io.source import open_source
-from mlakit.pipeline.api import ConvertOptions, method_of
+from mlakit.pipeline.api import ConvertOptions, budget_values, method_of
 from mlakit.pipeline.whole_model import calibrate
 
 MIN_RANK = 4
@@ -44,7 +45,7 @@ def main() -> None:
     curves = {c: [kl_curve(w, m, method, c) for w, m in zip(ws, ms)] for c in candidates}
     print("budget | d_R: predicted KL (of which the rotary split)")
     for frac in (float(b) for b in args.budgets.split(",")):
-        budget = int(frac * n * 2 * shape.num_kv_heads * shape.head_dim)
+        budget = budget_values(replace(opts, kv_budget=frac), shape, n)
         cells = []
         for c in candidates:
             if budget - n * c < MIN_RANK * n:
