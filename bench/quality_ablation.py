@@ -66,6 +66,10 @@ ROWS = {
     # the converted-stream refit undoing all of the error the layers below left (the default until 2026-12-06)
     "+ value refit undoing all the inherited error (--refine values --refine-compensate 1)": (
         {"refine": "values", "refine_compensate": 1.0}, False),
+    # the default at a chosen FreqFold, paired with the auto fold on the same windows (rope_select.transmla_fold
+    # gives the auto fold before 2026-12-06: 1 where more than half the frequencies are kept, 2 at d_R 24, d 64)
+    "+ value refit, fold 1 (--refine values --fold 1)": ({"refine": "values", "fold": 1}, False),
+    "+ value refit, fold 2 (--refine values --fold 2)": ({"refine": "values", "fold": 2}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {

@@ -106,7 +106,8 @@ class ConvertOptions:
         Field(
             ge=0,
             description="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
-            "(fold more when fewer rotary components are kept).",
+            "(1 while more than half the frequencies are kept, else the least fold that lets every group keep "
+            "a rotary component).",
         ),
     ] = 0
     mixing: Annotated[

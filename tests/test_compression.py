@@ -11,10 +11,13 @@ from click.testing import CliRunner
 from mlakit import load_converted
 from mlakit.arch import AttentionShape
 from mlakit.cli import cli
-from mlakit.convert.compress import Method, compress_layer
+from mlakit.convert.calibration import LayerStats
+from mlakit.convert.compress import Method, compress_layer, layer_plan
+from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.low_rank import bkv_metric, full_rank, metric_factor
 from mlakit.convert.mla_layer import AttentionWeights, convert_attention
 from mlakit.convert.rank_plan import plan_ranks
+from mlakit.convert.rope_select import auto_fold, transmla_fold
 from mlakit.convert.rope_split import RopePlan
 from mlakit.options import OptionsError
 from mlakit.pipeline.api import ConvertOptions, convert
@@ -133,6 +136,35 @@ def test_every_rope_method_builds_a_valid_model(tiny_sources, tmp_path, rope, id
     assert len(cfg["rope_freq_index"][0]) == 8
 
 
+@pytest.mark.parametrize("half", [32, 64, 8])
+def test_auto_fold_keeps_exact_frequencies_above_half_and_else_lets_every_group_keep_a_component(half):
+    divisors = [f for f in range(1, half + 1) if half % f == 0]
+    for n_keep in range(0, half + 1):
+        fold = auto_fold(half, n_keep)
+        assert half % fold == 0
+        if 0 < n_keep <= half // 2:
+            assert half // fold <= n_keep  # no more groups than kept components
+            assert all(half // f > n_keep for f in divisors if f < fold)  # no smaller fold does that
+        else:
+            assert fold == 1
+    # d/2 = 32 with 12 kept: the rule before (still TransMLA's method's) made 16 groups, so 4 kept nothing
+    assert auto_fold(32, 12) == 4 and transmla_fold(32, 12) == 2
+    assert auto_fold(32, 20) == transmla_fold(32, 20) == 1
+
+
+def test_layer_plan_folds_by_the_auto_rule_unless_told():
+    torch.manual_seed(0)
+    H, G, d, D = 4, 2, 16, 24  # d/2 = 8 frequencies, 3 kept: fold 4, 2 groups
+    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
+                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    x = torch.cat([torch.randn(200, D), torch.ones(200, 1)], 1).double()
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    m = layer_metrics(w, LayerStats(x.T @ x / 200, torch.rand(H, 8, dtype=torch.float64) / 8, inv_freq, 200))
+    plan = layer_plan(w, m, Method(), rope_dim=6)
+    assert plan.fold == 4 and plan.mixing.shape[0] == 2
+    assert layer_plan(w, m, Method(fold=2), rope_dim=6).fold == 2
+
+
 def test_compress_layer_shapes_follow_the_plan():
     torch.manual_seed(0)
     H, G, d, D = 4, 2, 16, 12
@@ -147,9 +179,8 @@ def test_compress_layer_shapes_follow_the_plan():
 def test_prepared_layer_gives_the_same_curve_and_layer_bit_for_bit(kv_heads):
     """``prepare_layer`` (what a two-pass conversion spills) changes nothing: the error curve and the
     rrr layer from it equal those computed from scratch, also after a round trip through tensors."""
-    from mlakit.convert.calibration import LayerStats
     from mlakit.convert.compress import prep_from_tensors, prep_tensors, prepare_layer
-    from mlakit.convert.layer_metrics import layer_metrics, metrics_from_tensors, metrics_tensors
+    from mlakit.convert.layer_metrics import metrics_from_tensors, metrics_tensors
     from mlakit.convert.rank_plan import error_curve
 
     torch.manual_seed(0)

@@ -4,9 +4,10 @@
 
 Each pair converts --source at --kv-budget with ``--refine none --rope-dim R --fold F`` (the pipeline users run,
 in memory) and scores it as bench/quality_ablation.py does (up to --eval-tokens of each of its texts, window 512,
-stride 256), printing the perplexity ratio to the source. ``rope_select.auto_fold`` is what ``--fold 0`` (the
-default) picks: the largest divisor of d/2 that leaves at least d_R/2 frequency groups, so with d_R/2 below the
-group count some groups keep no rotating component (docs/results.md, "A second model family").
+stride 256), printing the perplexity ratio to the source, with the fold ``--fold 0`` (the default) picks
+(``rope_select.auto_fold``). Until 2026-12-06 that was the largest divisor of d/2 leaving at least d_R/2
+frequency groups, so some groups could keep no rotating component; this script showed what that cost
+(docs/results.md, "The d_R 24 anomaly").
 """
 
 from __future__ import annotations

@@ -3,11 +3,14 @@ statistics alone would choose, to set beside the measured ratios (docs/results.m
 
     python bench/experiments/rope_dim_predicted.py --source default                 # SmolLM2-135M
     python bench/experiments/rope_dim_predicted.py --source /tmp/qwen2-small        # bench/train_qwen2.py's model
+    python bench/experiments/rope_dim_predicted.py --source /tmp/qwen2-small --fold 4 --budgets 0.3125
 
 For every candidate d_R (multiples of 8 up to the key width G d, at most 80) the latent budget left is split
 over the layers as the fisher planner splits it (``plan_ranks`` on ``kl_curve``: undamped), and the summed
 predicted KL is printed, with the part the rotary split alone costs (each curve at the full latent). These
-are closed-form predictions: they do not see the value refit the default runs after the closed form.
+are closed-form predictions: they do not see the value refit the default runs after the closed form. --fold
+sets FreqFold for every d_R (default 0: the auto fold of each), to set the model's view of the fold beside the
+measured one (docs/results.md, "The fold rule").
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.5,0.3125,0.1875,0.125")
     ap.add_argument("--calib-samples", type=int, default=128)
     ap.add_argument("--calib-seq-len", type=int, default=256)
+    ap.add_argument("--fold", type=int, default=0, help="FreqFold of every d_R (default 0: auto)")
     args = ap.parse_args()
     source = open_source(args.source)
     shape = attention_shape(source.config)
     opts = ConvertOptions(kv_budget=1.0, allocation="fisher", quiet=True, calib_samples=args.calib_samples,
-                          calib_seq_len=args.calib_seq_len)
+                          calib_seq_len=args.calib_seq_len, fold=args.fold)
     n = source.config.num_hidden_layers
     ws = [read_attention(source, i, shape) for i in range(n)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]

@@ -124,8 +124,20 @@ def _scored(w, m, n_keep, fold, mixing, stock=False):
 
 
 def auto_fold(half: int, n_keep: int) -> int:
-    """The largest divisor of d/2 that still leaves at least N_KEEP frequency groups: with few kept
-    components, folding concentrates energy so each group's leading component carries more."""
+    """Exact frequencies (fold 1) while more than half of them are kept: the dropped ones are the cheapest.
+    Below that, the smallest divisor of d/2 that leaves no more frequency groups (d/2 / fold) than kept
+    components, so that every group can keep one: a fold that leaves some groups none measured far worse
+    than the rotary error model predicts (docs/results.md, "The fold rule"), and a larger fold only adds
+    phase error to the kept components."""
+    if 2 * n_keep > half or n_keep == 0:
+        return 1
+    return next(f for f in range(1, half + 1) if half % f == 0 and half // f <= n_keep)
+
+
+def transmla_fold(half: int, n_keep: int) -> int:
+    """TransMLA's method's fold: the largest divisor of d/2 that still leaves at least N_KEEP groups. It was
+    also mlakit's auto fold until the rule above replaced it; the baseline keeps it so that its rows stay
+    comparable with every earlier measurement."""
     if n_keep >= half or n_keep == 0:
         return 1
     fold = half // n_keep
@@ -136,7 +148,7 @@ def auto_fold(half: int, n_keep: int) -> int:
 
 def _transmla(w, m, n_keep, stock=False):
     G, half = w.num_kv_heads, w.head_dim // 2
-    fold = auto_fold(half, n_keep)
+    fold = transmla_fold(half, n_keep)
     cov = key_group_covariance(w, m.sigma, fold)
     U = pca_mixing(cov)
     energy = torch.einsum("nca,nab,ncb->nc", U, cov, U)
