@@ -15,14 +15,14 @@ from mlakit.convert.calibration import LayerStats
 from mlakit.convert.compress import Method, compress_layer, layer_plan
 from mlakit.convert.layer_metrics import layer_metrics
 from mlakit.convert.low_rank import bkv_metric, full_rank, metric_factor
-from mlakit.convert.mla_layer import AttentionWeights, convert_attention
+from mlakit.convert.mla_layer import convert_attention
 from mlakit.convert.rank_plan import plan_ranks
 from mlakit.convert.rope_select import auto_fold, transmla_fold
 from mlakit.convert.rope_split import RopePlan
 from mlakit.options import OptionsError
 from mlakit.pipeline.api import ConvertOptions, convert
 from mlakit.recipes import BUILTIN_RECIPES, Recipe, RecipeError
-from tests.tiny_models import assert_close
+from tests.tiny_models import assert_close, random_attention
 
 CALIB = dict(calib="random", calib_samples=8, calib_seq_len=32, dtype="float32", quiet=True)
 
@@ -59,8 +59,7 @@ def test_orthogonal_head_mixing_keeps_scores_when_all_rope_is_kept(fold):
     component stays rotary and folding is off, and keeps the NoPE map exact otherwise."""
     torch.manual_seed(0)
     H, G, d, D = 4, 2, 16, 12
-    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
-                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    w = random_attention(H, G, d, D)
     n_grp, n = d // 2 // fold, G * fold
     U = torch.linalg.qr(torch.randn(n_grp, n, n, dtype=torch.float64))[0]
     plan = RopePlan(U, [], [], fold)  # everything dropped: pure NoPE
@@ -136,6 +135,16 @@ def test_every_rope_method_builds_a_valid_model(tiny_sources, tmp_path, rope, id
     assert len(cfg["rope_freq_index"][0]) == 8
 
 
+def _random_layer(kv_heads: int, H: int = 4, d: int = 16, D: int = 24):
+    """Random weights of KV_HEADS groups and their metrics from 200 random inputs (seed 0)."""
+    torch.manual_seed(0)
+    w = random_attention(H, kv_heads, d, D)
+    x = torch.cat([torch.randn(200, D), torch.ones(200, 1)], 1).double()
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    m = layer_metrics(w, LayerStats(x.T @ x / 200, torch.rand(H, 8, dtype=torch.float64) / 8, inv_freq, 200))
+    return w, m
+
+
 @pytest.mark.parametrize("half", [32, 64, 8])
 def test_auto_fold_keeps_exact_frequencies_above_half_and_else_lets_every_group_keep_a_component(half):
     divisors = [f for f in range(1, half + 1) if half % f == 0]
@@ -153,13 +162,7 @@ def test_auto_fold_keeps_exact_frequencies_above_half_and_else_lets_every_group_
 
 
 def test_layer_plan_folds_by_the_auto_rule_unless_told():
-    torch.manual_seed(0)
-    H, G, d, D = 4, 2, 16, 24  # d/2 = 8 frequencies, 3 kept: fold 4, 2 groups
-    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
-                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
-    x = torch.cat([torch.randn(200, D), torch.ones(200, 1)], 1).double()
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    m = layer_metrics(w, LayerStats(x.T @ x / 200, torch.rand(H, 8, dtype=torch.float64) / 8, inv_freq, 200))
+    w, m = _random_layer(kv_heads=2)  # head_dim 16: d/2 = 8 frequencies, 3 kept: fold 4, 2 groups
     plan = layer_plan(w, m, Method(), rope_dim=6)
     assert plan.fold == 4 and plan.mixing.shape[0] == 2
     assert layer_plan(w, m, Method(fold=2), rope_dim=6).fold == 2
@@ -168,8 +171,7 @@ def test_layer_plan_folds_by_the_auto_rule_unless_told():
 def test_compress_layer_shapes_follow_the_plan():
     torch.manual_seed(0)
     H, G, d, D = 4, 2, 16, 12
-    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
-                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    w = random_attention(H, G, d, D)
     mla = compress_layer(w, None, Method(), rope_dim=8, rank=10)
     assert mla.kv_a_proj_with_mqa.shape == (18, D + 1) and mla.kv_b_proj.shape == (H * 2 * d, 10)
     assert mla.q_proj.shape == (H * (d + 8), D + 1)
@@ -183,14 +185,7 @@ def test_prepared_layer_gives_the_same_curve_and_layer_bit_for_bit(kv_heads):
     from mlakit.convert.layer_metrics import metrics_from_tensors, metrics_tensors
     from mlakit.convert.rank_plan import error_curve
 
-    torch.manual_seed(0)
-    H, d, D = 4, 16, 24
-    G = kv_heads
-    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
-                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
-    x = torch.cat([torch.randn(200, D), torch.ones(200, 1)], 1).double()
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    m = layer_metrics(w, LayerStats(x.T @ x / 200, torch.rand(H, 8, dtype=torch.float64) / 8, inv_freq, 200))
+    w, m = _random_layer(kv_heads)
     method = Method(lowrank="rrr")
     prep = prepare_layer(w, m, method, 8)
     back = prep_from_tensors(prep_tensors(prep))

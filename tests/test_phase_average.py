@@ -13,9 +13,8 @@ import torch
 from mlakit.convert.calibration import LayerStats
 from mlakit.convert.compress import Method, compress_layer
 from mlakit.convert.layer_metrics import layer_metrics
-from mlakit.convert.mla_layer import AttentionWeights
 from mlakit.convert.rope_select import rope_error, select_rope
-from tests.tiny_models import assert_close
+from tests.tiny_models import assert_close, random_attention
 
 H, G, d, D = 4, 2, 16, 12
 FULL_RANK = 2 * G * d  # no rotary component kept: the latent holds every key and value dim
@@ -23,8 +22,7 @@ FULL_RANK = 2 * G * d  # no rotary component kept: the latent holds every key an
 
 def _layer(lag_p2: torch.Tensor):
     torch.manual_seed(0)
-    w = AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
-                         o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
+    w = random_attention(H, G, d, D)
     x = torch.cat([torch.randn(300, D), torch.ones(300, 1)], 1).double()
     inv_freq = 1.0 / 100 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     return w, layer_metrics(w, LayerStats(x.T @ x / 300, lag_p2, inv_freq, 300))

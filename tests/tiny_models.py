@@ -14,7 +14,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-__all__ = ["BLOCK_MLAKIT", "FAMILY_BUILDERS", "TINY_CONFIG", "assert_close", "build_tiny", "save_tiny_source"]
+__all__ = ["BLOCK_MLAKIT", "FAMILY_BUILDERS", "TINY_CONFIG", "assert_close", "build_tiny", "random_attention",
+           "save_tiny_source"]
 
 # First lines of a subprocess script that must work without mlakit: importing it raises.
 BLOCK_MLAKIT = """\
@@ -58,6 +59,16 @@ def save_tiny_source(family: str, directory: Path) -> Path:
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(str(directory))
     return Path(directory)
+
+
+def random_attention(H: int, G: int, d: int, D: int):
+    """One attention layer's weights drawn at random (H query heads, G KV heads of size d, hidden D), with
+    the bias column the converter's [x; 1] inputs read. mlakit is imported here, not above: this module also
+    serves scripts that run without it."""
+    from mlakit.convert.mla_layer import AttentionWeights
+
+    return AttentionWeights(q=torch.randn(H * d, D + 1), k=torch.randn(G * d, D + 1), v=torch.randn(G * d, D + 1),
+                            o=torch.randn(D, H * d), o_bias=None, num_heads=H, num_kv_heads=G, head_dim=d)
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float = 0.0) -> float:
