@@ -70,6 +70,8 @@ ROWS = {
     # gives the auto fold before 2026-12-06: 1 where more than half the frequencies are kept, 2 at d_R 24, d 64)
     "+ value refit, fold 1 (--refine values --fold 1)": ({"refine": "values", "fold": 1}, False),
     "+ value refit, fold 2 (--refine values --fold 2)": ({"refine": "values", "fold": 2}, False),
+    # the fold rule's choice at d_R 24, d 64 (rope_select.auto_fold) from 2026-12-06 until --fold 0 measured it
+    "+ value refit, fold 4 (--refine values --fold 4)": ({"refine": "values", "fold": 4}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {

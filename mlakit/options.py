@@ -105,9 +105,9 @@ class ConvertOptions:
         int,
         Field(
             ge=0,
-            description="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto "
-            "(1 while more than half the frequencies are kept, else the least fold that lets every group keep "
-            "a rotary component).",
+            description="FreqFold for the scored method: adjacent frequencies mixed together; 0 = auto: per "
+            "layer, of the folds from 1 to the least that lets every group keep a rotary component, the one whose "
+            "converted attention comes nearest the source's on the first calibration sequences.",
         ),
     ] = 0
     mixing: Annotated[

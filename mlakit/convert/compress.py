@@ -33,7 +33,7 @@ __all__ = ["LayerPrep", "Method", "compress_layer", "factorizer", "layer_plan", 
 class Method:
     rope: str = "scored"
     lowrank: str = "rrr"
-    fold: int = 0  # FreqFold; 0 = auto: fold frequencies so that about one component per group is kept
+    fold: int = 0  # FreqFold; 0 = auto: the layer driver measures the candidates (fold_choice); here, auto_fold's rule
     mixing: str = "pca"
     stock_rope: bool = False  # rope of the form stock DeepSeek-V3 code rotates (for the deepseek-v3 export)
 

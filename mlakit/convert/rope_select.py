@@ -128,7 +128,8 @@ def auto_fold(half: int, n_keep: int) -> int:
     Below that, the smallest divisor of d/2 that leaves no more frequency groups (d/2 / fold) than kept
     components, so that every group can keep one: a fold that leaves some groups none measured far worse
     than the rotary error model predicts (docs/results.md, "The fold rule"), and a larger fold only adds
-    phase error to the kept components."""
+    phase error to the kept components. The conversion measures the folds up to this one on the calibration
+    data instead (``fold_choice``); the rule stands in where no layer is run (the whole-model bench helpers)."""
     if 2 * n_keep > half or n_keep == 0:
         return 1
     return next(f for f in range(1, half + 1) if half % f == 0 and half // f <= n_keep)

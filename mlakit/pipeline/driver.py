@@ -15,6 +15,9 @@ statistics pass computes each layer's metrics (``layer_metrics``) and curve and 
 the work directory with its rotary plan and the Gram matrix the error curve and the
 factorisation share (``compress.prepare_layer``); ranks are planned; the convert pass converts
 each layer from what was spilled, so that per-layer float64 work is done once.
+With ``--fold 0`` each layer's FreqFold is measured where its metrics are computed (``fold_steps``): every
+candidate fold's full-rank conversion against the source attention on the first calibration sequences of
+the stream the statistics came from; a two-pass plan keeps the choice in its run state.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
 layer's input for the first calibration sequences (``calibration.sensitivity_sequences``), and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
@@ -71,6 +74,7 @@ from ..convert.rank_plan import error_curve, ranks_from_curves
 from ..convert.refine import keep_attention_output
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
+from .fold_steps import FoldSteps
 from .layer_runner import MLALayers, SourceLayers
 from .refine_steps import CONVERTED, LATENTS, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
@@ -96,7 +100,7 @@ class Spilled(NamedTuple):
 KEEP_INPUTS_SHARE = 0.25
 
 
-class LayerDriver(RefineSteps):
+class LayerDriver(RefineSteps, FoldSteps):
     """Runs the passes over the layers of SETUP, committing STATE to WORK after each layer.
 
     ON_LAYER(phase, index), if given, is called before layer INDEX of PHASE (``"statistics"`` or
@@ -279,8 +283,9 @@ class LayerDriver(RefineSteps):
                 w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
                 with self._on_device():
                     metrics = layer_metrics(w, stats)
-                    prep = prepare_layer(w, metrics, c.method, c.rope_dim)
-                    error = error_curve(w, metrics, c.method, c.rope_dim, prep).cpu()
+                    method, st.setdefault("folds", {})[str(i)] = self._layer_method(i, tensors, w, metrics, SOURCE)
+                    prep = prepare_layer(w, metrics, method, c.rope_dim)
+                    error = error_curve(w, metrics, method, c.rope_dim, prep).cpu()
                 # the convert pass reads the metrics, rotary plan and Gram matrix back instead of
                 # computing them again
                 self.work.save_tensors(f"stats-{i:05d}.pt",
@@ -402,14 +407,18 @@ class LayerDriver(RefineSteps):
         w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape),
                              stats if isinstance(stats, LayerStats) else None)
         with self._on_device():
-            metrics = layer_metrics(w, stats) if stats is not None else spilled.metrics
-            mla = compress_layer(w, metrics, c.method, c.rope_dim, rank, spilled.prep)
+            if stats is not None:
+                metrics = layer_metrics(w, stats)
+                method, fold = self._layer_method(i, tensors, w, metrics, CONVERTED if self.sequential else SOURCE)
+            else:
+                metrics, method, fold = spilled.metrics, c.method, self.state.get("folds", {}).get(str(i))
+            mla = compress_layer(w, metrics, method, c.rope_dim, rank, spilled.prep)
         del w, stats, spilled, metrics  # the float64 statistics are done with before the layer is written
         out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})
         mla_layers.config.rope_freq_index[i] = list(mla.freq_index)
         record = {"layer": i, "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.rope_dim,
-                  "rope_freq_index": list(mla.freq_index)}
+                  "rope_freq_index": list(mla.freq_index)} | ({"fold_choice": fold} if fold else {})
         if self.refining and c.refine.method == "values":
             record["refine"] = self._refit_values(i, tensors, mla, out, mla_layers)
         elif self.refining and c.refine.method == "values-per-head":

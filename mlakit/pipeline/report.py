@@ -21,8 +21,8 @@ def conversion_report(src: str, setup, opts, plan: dict, layers: list[dict], pip
         "settings": asdict(opts) | {"dtype": str(setup.dtype).replace("torch.", "")},
         "source_kv_values_per_token_per_layer": per_layer,
         "plan": plan,
-        "layers": [{k: r[k] for k in ("layer", "kv_lora_rank", "qk_rope_head_dim", "rope_freq_index", "refine")
-                    if k in r} for r in layers],
+        "layers": [{k: r[k] for k in ("layer", "kv_lora_rank", "qk_rope_head_dim", "rope_freq_index", "fold_choice",
+                                      "refine") if k in r} for r in layers],
         "pipeline": pipeline,
         "kv_values_per_token": sum(r["kv_lora_rank"] + r["qk_rope_head_dim"] for r in layers),
         "source_kv_values_per_token": per_layer * len(layers),

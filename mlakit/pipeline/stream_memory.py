@@ -9,7 +9,9 @@ of the process's resident memory when the conversion starts:
 - the float64 conversion math: E[x~ x~^T] and its Cholesky factor, the (D+1)^2 Gram matrix of
   the low-rank step with its eigendecomposition, the bias-augmented q/k/v maps, the joint
   key/value map W_y and its products, and the output metric's blocks (``low_rank``);
-- the converted layer's output tensors.
+- the converted layer's output tensors;
+- the inputs and source attention outputs the measured fold reads (``fold_steps``), while a layer's
+  forward runs over them.
 With ``--allocation fisher`` the backward sweep (``streaming``) holds, apart from one layer: the
 LM head as read and in float32, one chunk of logits with its softmax gradient and float64 CDF,
 the kept inputs of the sensitivity sequences with their gradients, and one sequence's
@@ -28,6 +30,7 @@ import os
 import torch
 
 from ..arch.families import AttentionShape
+from ..convert.fold_choice import FOLD_TOKENS
 
 __all__ = [
     "check_values_refit",
@@ -88,10 +91,12 @@ def estimate_step_bytes(config, shape: AttentionShape, seq_len: int, batch: int,
         # float64 q/k/v maps; W_y, W_y R and one metric block's product; the metric's blocks
         "conversion_math": _F64
         * (6 * X * X + (H * d + 2 * G * d) * X + 3 * rows * X + (G * d) ** 2 + G * d * d),
+        "fold_measure": 2 * _F32 * -(-FOLD_TOKENS // seq_len) * seq_len * D,
     }
     if device != "cpu":  # forward passes and the float64 math run on the accelerator
         parts["forward_module"] = parts["forward_activations"] = parts["conversion_math"] = 0
-    forward = parts["forward_module"] + parts["forward_activations"]
+        parts["fold_measure"] = 0
+    forward = parts["forward_module"] + parts["forward_activations"] + parts["fold_measure"]
     parts["step_peak"] = (
         parts["layer_tensors"] + parts["output_tensors"] + max(forward, parts["conversion_math"])
     )
