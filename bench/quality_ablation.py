@@ -173,7 +173,8 @@ def main():
                 seconds = time.time() - tick
                 sums = window_sums(MLAForCausalLM.from_pretrained(Path(tmp) / "mla", torch_dtype=torch.float32))
             row = {"budget": budget, "row": name, "convert_seconds": round(seconds, 1),
-                   "ranks": [lay["kv_lora_rank"] for lay in report["layers"]], "texts": {}}
+                   "ranks": [lay["kv_lora_rank"] for lay in report["layers"]],
+                   "folds": [lay.get("fold_choice", {}).get("fold") for lay in report["layers"]], "texts": {}}
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)
                 cell = {"ppl": ppl, "ratio": ppl / src_ppl[k], "ratio_ci95": interval(k, s - src_sums[k])}

@@ -2,7 +2,8 @@
 rotary dims each layer caches, the FreqFold ``--fold 0`` measured for it (``fold_steps``: each candidate's
 attention error at full latent rank, the chosen one shown), and where a refinement ran (``--refine``), the
 layer's calibration loss before and after it (the attention output's squared error relative to the
-target's energy, on the sequences the refinement used) and which result was kept. ``mla-convert inspect OUT`` prints it."""
+target's energy, on the sequences the refinement used) and which result was kept. ``mla-convert inspect
+OUT`` prints it."""
 
 from __future__ import annotations
 

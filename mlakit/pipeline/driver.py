@@ -15,9 +15,8 @@ statistics pass computes each layer's metrics (``layer_metrics``) and curve and 
 the work directory with its rotary plan and the Gram matrix the error curve and the
 factorisation share (``compress.prepare_layer``); ranks are planned; the convert pass converts
 each layer from what was spilled, so that per-layer float64 work is done once.
-With ``--fold 0`` each layer's FreqFold is measured where its metrics are computed (``fold_steps``): every
-candidate fold's full-rank conversion against the source attention on the first calibration sequences of
-the stream the statistics came from; a two-pass plan keeps the choice in its run state.
+With ``--fold 0`` each layer's FreqFold is measured where its metrics are computed (``fold_steps``); a
+two-pass plan keeps the choice in its run state.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
 layer's input for the first calibration sequences (``calibration.sensitivity_sequences``), and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
