@@ -13,8 +13,6 @@ from dataclasses import replace
 
 import torch
 
-from ..arch import names
-from ..convert.assemble import mla_layer_tensors
 from ..convert.compress import Method, compress_layer
 from ..convert.fold_choice import FOLD_TOKENS, choose_fold, fold_candidates
 from ..convert.layer_metrics import LayerMetrics
@@ -53,13 +51,11 @@ class FoldSteps:
         ref = float(targets.double().square().sum())
         full = 2 * c.shape.num_kv_heads * c.shape.head_dim - c.rope_dim
         layers = MLALayers(c.placeholder_config([full] * c.n), c.device)
-        copied = {k: t for k, t in tensors.items() if not k.startswith(names.attn_prefix(i))}
 
         def error(fold: int) -> float:
             mla = compress_layer(w, metrics, replace(c.method, fold=fold), c.rope_dim, full)
             layers.config.rope_freq_index[i] = list(mla.freq_index)
-            exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
-            block = layers.layer(i, exact | copied)
+            block = layers.converted(i, mla, tensors, c.shape.qkv_bias)
             err = sum(float((attention_output(block, layers.run, inputs[s : s + bs]) - targets[s : s + bs])
                             .double().square().sum()) for s in range(0, rows, bs))
             return err / ref if ref > 0 else err

@@ -109,6 +109,15 @@ class MLALayers:
             module = MLADecoderLayer(self.config, index)
         return _attach(module, tensors, names.layer_prefix(index), self.device)
 
+    def converted(self, index: int, mla, source: dict[str, torch.Tensor], qkv_bias: bool) -> nn.Module:
+        """Layer INDEX with MLA's float32 closed-form attention (not rounded to the output dtype) and the
+        rest (norms, MLP) from SOURCE, the source layer's tensors."""
+        from ..convert.assemble import mla_layer_tensors
+
+        attention = mla_layer_tensors(index, mla, torch.float32, q_bias=qkv_bias, kv_a_bias=qkv_bias)
+        prefix = names.attn_prefix(index)
+        return self.layer(index, attention | {k: t for k, t in source.items() if not k.startswith(prefix)})
+
     @torch.no_grad()
     def run(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """LAYER applied to HIDDEN (B, L, D) float32 on the layer's device."""

@@ -24,7 +24,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arch import names
-from ..convert.assemble import mla_layer_tensors
 from ..convert.refine import attention_and_output, attention_output, exact_loss, refine_layer
 from ..convert.refine_heads import refit_per_head
 from ..convert.refine_values import (
@@ -54,14 +53,8 @@ def kept_slot(i: int, what: str) -> str:
 
 class RefineSteps:
     """The per-layer refinement of ``LayerDriver`` (it reads the driver's setup ``c``, ``work``, ``store``, ``state``,
-    ``src_layers``, ``per_layer``, ``n_calib``, ``stream_rows`` and ``sequential``, and its ``_input_slot`` and
+    ``src_layers``, ``n_calib``, ``stream_rows`` and ``sequential``, and its ``_input_slot`` and
     ``_disk_allows``; it sets ``latents``, which ``_propagate`` reads)."""
-
-    def _float32_layer(self, i: int, tensors: dict, mla, mla_layers: MLALayers):
-        """Converted layer I built from the closed form's float32 weights (not the output dtype's)."""
-        c = self.c
-        exact = mla_layer_tensors(i, mla, torch.float32, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
-        return mla_layers.layer(i, exact | {m: tensors[m] for m in self.per_layer[i] if m not in exact})
 
     def _write_attention(self, i: int, block, out: dict) -> None:
         prefix = names.attn_prefix(i)
@@ -106,7 +99,7 @@ class RefineSteps:
         src_layer = self.src_layers.layer(i, tensors) if share < 1 or not self._targets_kept() else None
         run, round_ = self.src_layers.run, self.target_store.round
         source_function = lambda h, layer=src_layer: round_(attention_output(layer, run, h))  # noqa: E731
-        block = self._float32_layer(i, tensors, mla, mla_layers)
+        block = mla_layers.converted(i, mla, tensors, self.c.shape.qkv_bias)
         moments = ValueMoments()
         latents = self._latent_store(i, block) if converted else None
         with torch.no_grad(), latents.writer(LATENTS) if latents is not None else contextlib.nullcontext() as kept:
@@ -190,7 +183,7 @@ class RefineSteps:
         as ``_refit_values``)."""
         n = self.c.refine.used(self.n_calib)
         src_layer = None if self._targets_kept() else self.src_layers.layer(i, tensors)
-        block = self._float32_layer(i, tensors, mla, mla_layers)
+        block = mla_layers.converted(i, mla, tensors, self.c.shape.qkv_bias)
         passes = [self._advances(i)]  # only the first pass carries the source stream on
         batches = lambda: self._source_batches(i, n, src_layer, passes.pop() if passes else False, heads=True)  # noqa: E731
         below = self._refine_below()
@@ -217,7 +210,7 @@ class RefineSteps:
             targets = torch.cat(targets)
         del src_layer
         inputs = self.store.read(self._input_slot(i, CONVERTED), 0, n).to(c.device)
-        block = self._float32_layer(i, tensors, mla, mla_layers)
+        block = mla_layers.converted(i, mla, tensors, self.c.shape.qkv_bias)
         report = refine_layer(block, mla_layers.forward, inputs, targets, settings, seed=c.opts.seed + i,
                               progress=lambda steps: tqdm(steps, desc=f"refining layer {i}", leave=False,
                                                           disable=c.opts.quiet, file=sys.stderr),
