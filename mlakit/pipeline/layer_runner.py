@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..arch import names
+from ..convert.assemble import mla_layer_tensors
 
 __all__ = ["MLALayers", "SourceLayers"]
 
@@ -112,8 +113,6 @@ class MLALayers:
     def converted(self, index: int, mla, source: dict[str, torch.Tensor], qkv_bias: bool) -> nn.Module:
         """Layer INDEX with MLA's float32 closed-form attention (not rounded to the output dtype) and the
         rest (norms, MLP) from SOURCE, the source layer's tensors."""
-        from ..convert.assemble import mla_layer_tensors
-
         attention = mla_layer_tensors(index, mla, torch.float32, q_bias=qkv_bias, kv_a_bias=qkv_bias)
         prefix = names.attn_prefix(index)
         return self.layer(index, attention | {k: t for k, t in source.items() if not k.startswith(prefix)})
