@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.arch.names import LAYER_PREFIX  # noqa: E402
-from mlakit.convert.assemble import mla_config, mla_layer_tensors, read_attention  # noqa: E402
+from mlakit.convert.assemble import mla_config, read_attention  # noqa: E402
 from mlakit.convert.calibration import BATCH_SIZE  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
@@ -88,8 +88,7 @@ def main() -> None:
                 infos = [SimpleNamespace(kv_lora_rank=rank if j == i else ranks[j], rope_dim=rope_dim,
                                          freq_index=list(mla.freq_index)) for j in range(n)]
                 runner = MLALayers(mla_config(source.config, shape, infos, torch.float32))
-                out = mla_layer_tensors(i, mla, torch.float32, q_bias=shape.qkv_bias, kv_a_bias=shape.qkv_bias)
-                block = runner.layer(i, out | {k: t for k, t in tensors.items() if ".self_attn." not in k})
+                block = runner.converted(i, mla, tensors, shape.qkv_bias)
                 err = float((attention(block, runner.run, hidden) - target).double().square().sum()) / ref
                 totals[f, kind] += err
                 errs.append(f"{err:.4f}")

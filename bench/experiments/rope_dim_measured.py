@@ -28,6 +28,8 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fold_measured import attention  # noqa: E402
+
 from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.arch.names import LAYER_PREFIX  # noqa: E402
 from mlakit.convert.assemble import mla_config, read_attention  # noqa: E402
@@ -35,7 +37,6 @@ from mlakit.convert.calibration import BATCH_SIZE  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
 from mlakit.convert.fold_choice import choose_fold, fold_candidates  # noqa: E402
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
-from mlakit.convert.refine import attention_output  # noqa: E402
 from mlakit.convert.refine_values import ValueMoments, add_batch, refit_values  # noqa: E402
 from mlakit.io.source import open_source  # noqa: E402
 from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of  # noqa: E402
@@ -48,11 +49,9 @@ def batches(hidden: torch.Tensor):
     return ((s, hidden[s : s + BATCH_SIZE]) for s in range(0, hidden.shape[0], BATCH_SIZE))
 
 
-@torch.no_grad()
 def relative_error(block, run, hidden: torch.Tensor, target: torch.Tensor) -> float:
-    err = sum(float((attention_output(block, run, x) - target[s : s + x.shape[0]]).double().square().sum())
-              for s, x in batches(hidden))
-    return err / float(target.double().square().sum())
+    return float((attention(block, run, hidden) - target).double().square().sum()) / float(
+        target.double().square().sum())
 
 
 def converted(source, shape, i: int, tensors: dict, w, metrics, method, rope_dim: int, fold: int, rank: int):
@@ -105,7 +104,7 @@ def main() -> None:
         prefix = LAYER_PREFIX.format(i=i)
         tensors = {k: source.tensor(k) for k in source.tensor_names() if k.startswith(prefix)}
         layer = src.layer(i, tensors)
-        target = torch.cat([attention_output(layer, src.run, x) for _, x in batches(hidden)])
+        target = attention(layer, src.run, hidden)
         cells = []
         for c in candidates:
             at = partial(converted, source, shape, i, tensors, ws[i], ms[i], methods[c], c)
