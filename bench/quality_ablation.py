@@ -72,6 +72,9 @@ ROWS = {
     "+ value refit, fold 2 (--refine values --fold 2)": ({"refine": "values", "fold": 2}, False),
     # the fold rule's choice at d_R 24, d 64 (rope_select.auto_fold) from 2026-12-06 until --fold 0 measured it
     "+ value refit, fold 4 (--refine values --fold 4)": ({"refine": "values", "fold": 4}, False),
+    # the default with the shared d_R measured in the statistics pass instead of the default share (rope_choice)
+    "+ value refit, measured rotary dims (--refine values --rope-dim measured)": (
+        {"refine": "values", "rope_dim": "measured"}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {
@@ -162,7 +165,7 @@ def main():
             overrides, sequential = ROWS[name]
             extra = {k: v for k, v in (("calib_samples", args.calib_samples), ("calib_seq_len", args.calib_seq_len),
                                        ("rope_dim", args.rope_dim), ("calib", args.calib_data),
-                                       ("seed", args.seed)) if v is not None}
+                                       ("seed", args.seed)) if v is not None and k not in overrides}
             if args.lowrank_method and "lowrank_method" not in overrides:
                 extra["lowrank_method"] = args.lowrank_method
             opts = ConvertOptions(kv_budget=budget, quiet=True, **overrides, **extra)
@@ -174,6 +177,7 @@ def main():
                 sums = window_sums(MLAForCausalLM.from_pretrained(Path(tmp) / "mla", torch_dtype=torch.float32))
             row = {"budget": budget, "row": name, "convert_seconds": round(seconds, 1),
                    "ranks": [lay["kv_lora_rank"] for lay in report["layers"]],
+                   "rope_dim": report["layers"][0]["qk_rope_head_dim"],
                    "folds": [lay.get("fold_choice", {}).get("fold") for lay in report["layers"]], "texts": {}}
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)
@@ -185,7 +189,7 @@ def main():
                 row["texts"][k] = cell
             sums_by[(budget, name)] = sums
             results.append(row)
-            print(f"{budget:<7} {name:52s} {seconds:6.0f} s  " + "  ".join(
+            print(f"{budget:<7} {name:52s} d_R {row['rope_dim']} {seconds:6.0f} s  " + "  ".join(
                 f"{k} {c['ratio']:.3f}" + (f" ({c['vs_default']:.3f}x)" if "vs_default" in c else "")
                 for k, c in row["texts"].items()), flush=True)
             write(complete=False)

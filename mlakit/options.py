@@ -52,7 +52,7 @@ _NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--q
 
 
 Rank = Annotated[int, Field(ge=1)] | Literal["full"]
-RopeDim = Annotated[int, Field(ge=0)] | Literal["full"]
+RopeDim = Annotated[int, Field(ge=0)] | Literal["full", "measured"]
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -67,8 +67,10 @@ class ConvertOptions:
     rope_dim: Annotated[
         RopeDim,
         Field(
-            description="Shared rotary key dims d_R (even), or 'full'.",
-            json_schema_extra={"accepts": "must be 'full' or an even integer >= 0"},
+            description="Shared rotary key dims d_R (even), or 'full'. With --kv-budget, 'full' leaves d_R to the "
+            "default share of the budget, and 'measured' chooses it from the calibration data: the d_R whose "
+            "converted layers come nearest the source attention on held-out sequences (a two-pass allocation).",
+            json_schema_extra={"accepts": "must be 'full', 'measured' or an even integer >= 0"},
         ),
     ] = "full"
     kv_budget: Annotated[
@@ -238,7 +240,13 @@ class ConvertOptions:
 
     @model_validator(mode="after")
     def _cross_field_rules(self):
-        if self.rope_dim != "full" and self.rope_dim % 2:
+        if self.rope_dim == "measured" and (self.kv_budget is None or self.stock_rope):
+            raise ValueError(
+                "--rope-dim measured chooses the rotary dims within a --kv-budget, among any even d_R; "
+                + ("give --kv-budget as well" if self.kv_budget is None else
+                   "--stock-rope allows only a few: give --rope-dim as a number or drop --stock-rope")
+            )
+        if isinstance(self.rope_dim, int) and self.rope_dim % 2:
             raise ValueError(
                 f"--rope-dim must be even (rotary dims come in pairs); got {self.rope_dim}, "
                 f"use {self.rope_dim - 1} or {self.rope_dim + 1}"

@@ -120,8 +120,10 @@ def test_choose_ridge_with_a_custom_error_matches_the_dense_errors():
     fit = lambda f, r: fit_values(folds[f], r, prior, H, D_HEAD, False, rms)  # noqa: E731
     got = choose_ridge((w_uv, w_o), folds, fit, VALUE_RIDGES, error=lambda fitted, m: values_error(*fitted, m))
     dense = choose_ridge(prior, folds, lambda f, r: effective_map(*fit(f, r)), VALUE_RIDGES)
-    assert got[0] == dense[0]
-    assert got[1] == pytest.approx(dense[1], rel=1e-8)
+    assert got[0] == dense[0] and sorted(got[1]) == sorted(dense[1])
+    assert all(got[1][k] == pytest.approx(v, rel=1e-8) for k, v in dense[1].items())
+    folds = got[1]["cv_folds_refit"]  # each validation fold's share of the held-out loss
+    assert len(folds) == 2 and sum(folds) == pytest.approx(got[1]["cv_loss_refit"], rel=1e-12)
 
 
 def test_fold_moments_equal_the_direct_products():

@@ -12,7 +12,7 @@ import click
 
 __all__ = [
     "IntList", "byte_size_type", "compare_device_option", "compare_dtype_option", "original_option", "quiet_transformers",
-    "rank_option_type", "setup_logging", "user_errors", "verbosity_options",
+    "RankType", "setup_logging", "user_errors", "verbosity_options",
 ]
 
 log = logging.getLogger(__name__)
@@ -123,19 +123,21 @@ class _ByteSize(click.ParamType):
 byte_size_type = _ByteSize()
 
 
-class _RankType(click.ParamType):
-    name = "INT|full"
+class RankType(click.ParamType):
+    """An integer or one of WORDS (a rank or d_R, or 'full', ...)."""
+
+    def __init__(self, words: tuple[str, ...] = ("full",)):
+        self.words = words
+        self.name = "|".join(("INT", *words))
 
     def convert(self, value, param, ctx):
-        if isinstance(value, int) or value == "full":
+        if isinstance(value, int) or value in self.words:
             return value
         try:
             return int(value)
         except ValueError:
-            self.fail(f"{value!r} is neither an integer nor 'full'", param, ctx)
+            self.fail(f"{value!r} is neither an integer nor {' nor '.join(map(repr, self.words))}", param, ctx)
 
-
-rank_option_type = _RankType()
 
 
 # Options shared by the commands that compare a converted model with its original (eval, bench).

@@ -19,7 +19,7 @@ from click.core import ParameterSource
 
 from ..option_schema import field_flag, flag_fields
 from ..options import ConvertOptions
-from .common import rank_option_type
+from .common import RankType
 
 __all__ = ["FLAG_FIELDS", "given_options", "option_flags"]
 
@@ -41,8 +41,9 @@ def _click_type(annotation, metadata):
     if origin is typing.Literal:
         return click.Choice(args)
     if origin in (typing.Union, types.UnionType):
-        if typing.Literal["full"] in args:
-            return rank_option_type  # bounds and evenness are checked by the model
+        words = [w for a in args if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)]
+        if "full" in words:
+            return RankType(tuple(words))  # bounds and evenness are checked by the model
         (annotation,) = [a for a in args if a is not type(None)]  # optional: None is the default, not a value
     bounds = _bounds(metadata)
     if annotation is int:

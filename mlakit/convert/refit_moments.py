@@ -177,7 +177,8 @@ def choose_ridge(
     """The ridge of RIDGES (ascending) whose fit (``fit(fold, ridge)``: fitted on ``folds[fold]``) has
     the lowest held-out error over the two folds, as the ridge of the fit on both folds (``HELD_OUT_SHARE``
     of it), or None when it does not beat W0's own held-out error; and the report (cv_loss_start,
-    cv_loss_refit, ridge: the grid's, ridge_all: the one returned, ridges_tried). ERROR(fitted, moments)
+    cv_loss_refit, ridge: the grid's, ridge_all: the one returned, ridges_tried; cv_folds_start and
+    cv_folds_refit: each fold's share of the held-out losses). ERROR(fitted, moments)
     is the summed squared error of a fit (or of W0) on MOMENTS; by default fits are matrices W acting
     on z (``quadratic_error``).
 
@@ -187,13 +188,16 @@ def choose_ridge(
     a few fits instead of one per ridge. FIRST (a ridge of the grid) is where the walk begins instead of
     the middle; on a unimodal error the minimum found is the same from anywhere."""
     error = error or (lambda w, m: quadratic_error(w, *m))
-    held = lambda w_of: sum(error(w_of(1 - f), folds[f]) for f in (0, 1))  # noqa: E731
-    at_start = held(lambda f: w0)
+    held = lambda w_of: [error(w_of(1 - f), folds[f]) for f in (0, 1)]  # noqa: E731
+    start_folds = held(lambda f: w0)
+    at_start = sum(start_folds)
+    per_fold: dict[int, list[float]] = {}
     errors: dict[int, float] = {}
 
     def at(k: int) -> float:
         if k not in errors:
-            errors[k] = held(lambda f: fit(f, ridges[k]))
+            per_fold[k] = held(lambda f: fit(f, ridges[k]))
+            errors[k] = sum(per_fold[k])
         return errors[k]
 
     k = ridges.index(first) if first in ridges else len(ridges) // 2
@@ -201,7 +205,8 @@ def choose_ridge(
         k = best
     total = folds[0][2] + folds[1][2]
     report = {"cv_loss_start": at_start / total, "cv_loss_refit": errors[k] / total, "ridge": ridges[k],
-              "ridge_all": ridges[k] * HELD_OUT_SHARE, "ridges_tried": len(errors)}
+              "ridge_all": ridges[k] * HELD_OUT_SHARE, "ridges_tried": len(errors),
+              "cv_folds_start": [e / total for e in start_folds], "cv_folds_refit": [e / total for e in per_fold[k]]}
     return (ridges[k] * HELD_OUT_SHARE if errors[k] < at_start else None), report
 
 

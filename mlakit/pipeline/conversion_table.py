@@ -2,8 +2,9 @@
 rotary dims each layer caches, the FreqFold ``--fold 0`` measured for it (``fold_steps``: each candidate's
 attention error at full latent rank, the chosen one shown), and where a refinement ran (``--refine``), the
 layer's calibration loss before and after it (the attention output's squared error relative to the
-target's energy, on the sequences the refinement used) and which result was kept. ``mla-convert inspect
-OUT`` prints it."""
+target's energy, on the sequences the refinement used) and which result was kept; with ``--rope-dim
+measured``, each candidate d_R's summed held-out error (``rope_choice``). ``mla-convert inspect OUT``
+prints it."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def read_conversion(path: str | Path) -> dict:
         if refine:
             row |= {"loss_before": refine["loss_before"], "loss_after": refine["loss_after"], "kept": refine["kept"]}
         layers.append(row)
-    return {
+    search = report.get("plan", {}).get("rope_search")
+    return ({"rope_search": search} if search else {}) | {
         "converted": str(path),
         "source": report["source"],
         "refine": report["settings"].get("refine", "none"),
@@ -52,6 +54,11 @@ def conversion_table(summary: dict) -> str:
         f"{summary['converted']} (from {summary['source']}): {summary['kv_values_per_token']} of "
         f"{summary['source_kv_values_per_token']} cached values per token ({share:.1%}), refine {summary['refine']}",
     ]
+    if "rope_search" in summary:
+        lines.append("d_R measured: " + ", ".join(f"{d}: {' + '.join(f'{e:.4g}' for e in errors)}"
+                                                  for d, errors in summary["rope_search"].items())
+                     + " (summed held-out attention error on each validation fold; the least wins where both "
+                       "folds show it beating the default share's)")
     head = f"{'layer':>5}{'r':>6}{'d_R':>5}"
     if folded:
         head += f"{'fold':>6}{'rope error':>12}"

@@ -15,8 +15,8 @@ statistics pass computes each layer's metrics (``layer_metrics``) and curve and 
 the work directory with its rotary plan and the Gram matrix the error curve and the
 factorisation share (``compress.prepare_layer``); ranks are planned; the convert pass converts
 each layer from what was spilled, so that per-layer float64 work is done once.
-With ``--fold 0`` each layer's FreqFold is measured where its metrics are computed (``fold_steps``); a
-two-pass plan keeps the choice in its run state.
+With ``--fold 0`` each layer's FreqFold (``--rope-dim measured``: and each candidate d_R's error) is measured
+where its metrics are computed (``fold_steps``); a two-pass plan keeps the choices in its run state.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
 layer's input for the first calibration sequences (``calibration.sensitivity_sequences``), and a backward sweep
 from the last layer to the first recomputes one layer at a time from its kept input and carries
@@ -67,13 +67,13 @@ from tqdm.auto import tqdm
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors, read_attention
 from ..convert.calibration import LayerStats, layer_accumulator, logit_gradient
-from ..convert.compress import LayerPrep, compress_layer, prep_from_tensors, prep_tensors, prepare_layer
+from ..convert.compress import LayerPrep, compress_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
-from ..convert.rank_plan import error_curve, ranks_from_curves
+from ..convert.rank_plan import ranks_from_curves
 from ..convert.refine import keep_attention_output
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
-from .fold_steps import FoldSteps
+from .fold_steps import FoldSteps, spilled_key, spilled_prep
 from .layer_runner import MLALayers, SourceLayers
 from .refine_steps import CONVERTED, LATENTS, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
@@ -135,6 +135,8 @@ class LayerDriver(RefineSteps, FoldSteps):
                                    and self._disk_allows(self.target_store.nbytes(self.stream_rows)))
         self.verify = setup.opts.verify
         self.latents = None  # (block, store) of the layer's converted-stream value refit, for ``_propagate``
+        if "rope_dim" in state:  # measured by the run this one resumes
+            setup.use_rope_dim(state["rope_dim"], state["rope_search"])
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
             self.verify_src, self.verify_mla = streams.get("source"), streams.get("mla")
@@ -282,14 +284,11 @@ class LayerDriver(RefineSteps, FoldSteps):
                 w, stats = on_device(c.device, read_attention(TensorDict(tensors), i, c.shape), stats)
                 with self._on_device():
                     metrics = layer_metrics(w, stats)
-                    method, st.setdefault("folds", {})[str(i)] = self._layer_method(i, tensors, w, metrics, SOURCE)
-                    prep = prepare_layer(w, metrics, method, c.rope_dim)
-                    error = error_curve(w, metrics, method, c.rope_dim, prep).cpu()
+                    spill = self._layer_choices(i, tensors, w, metrics, SOURCE)
                 # the convert pass reads the metrics, rotary plan and Gram matrix back instead of
                 # computing them again
-                self.work.save_tensors(f"stats-{i:05d}.pt",
-                                       metrics_tensors(metrics) | prep_tensors(prep) | {"error": error})
-                del tensors, stats, w, metrics, prep, error
+                self.work.save_tensors(f"stats-{i:05d}.pt", metrics_tensors(metrics) | spill)
+                del tensors, stats, w, metrics, spill
                 st["stats_done"] = i + 1
                 self._commit(None)
                 bar.update()
@@ -326,9 +325,10 @@ class LayerDriver(RefineSteps, FoldSteps):
         self._commit(None)
 
     def plan(self) -> None:
-        """Planned and fisher allocation: the ranks, from the spilled error curves."""
+        """Planned and fisher allocation: the measured choices, then the ranks from the spilled error curves."""
         c, st = self.c, self.state
-        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")["error"] for i in range(c.n)]
+        self._settle_choices()
+        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")[spilled_key(c.rope_dim, "error")] for i in range(c.n)]
         try:
             st["ranks"] = ranks_from_curves(errors, st.get("sensitivity", [None] * c.n), c.opts.allocation,
                                             c.uniform, c.rank_budget)
@@ -338,7 +338,7 @@ class LayerDriver(RefineSteps, FoldSteps):
 
     def _spilled(self, i: int) -> Spilled:
         t = self.work.load_tensors(f"stats-{i:05d}.pt")
-        return Spilled(metrics_from_tensors(t, self.c.device), prep_from_tensors(t, self.c.device))
+        return Spilled(metrics_from_tensors(t, self.c.device), spilled_prep(t, self.c.rope_dim, self.c.device))
 
     def _on_device(self):
         """The default device of the per-layer math (a no-op on the CPU)."""

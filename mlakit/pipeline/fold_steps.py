@@ -1,65 +1,163 @@
-"""The measured FreqFold of the layer driver (``driver.LayerDriver`` inherits it): ``fold_choice``'s rule
-run on the layer's calibration stream.
+"""The measured choices of the layer driver (``driver.LayerDriver`` inherits them): the FreqFold
+(``fold_choice``) and, with ``--rope-dim measured``, each candidate d_R's held-out error (``rope_choice``),
+both measured on the first ``FOLD_TOKENS`` calibration tokens of the stream the layer's statistics came from.
 
 For each candidate fold the layer is converted with the latent at full rank, so that the fold's rotary
 split is all that differs between candidates (the rank the layer will get is not yet known in the
-statistics pass of a two-pass plan), and its attention output on the first ``FOLD_TOKENS`` calibration
-tokens of the stream its statistics came from is compared with the source attention's on the same inputs.
+statistics pass of a two-pass plan), and its attention output is compared with the source attention's on
+the same inputs. Each candidate d_R is then converted at its fold with the latent at the uniform rank the
+budget leaves, and measured as the layer will be converted: after the joint value refit where the
+conversion runs one, by the refit's error on each held-out validation fold; else the closed form's error
+on each of those halves.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import torch
 
-from ..convert.compress import Method, compress_layer
+from ..convert.compress import (
+    LayerPrep,
+    Method,
+    compress_layer,
+    prep_from_tensors,
+    prep_tensors,
+    prepare_layer,
+)
 from ..convert.fold_choice import FOLD_TOKENS, choose_fold, fold_candidates
 from ..convert.layer_metrics import LayerMetrics
 from ..convert.mla_layer import AttentionWeights
+from ..convert.rank_plan import error_curve
 from ..convert.refine import attention_output
+from ..convert.refine_values import ValueMoments, add_batch, refit_values, value_weights
+from ..convert.refit_moments import values_error
+from ..convert.rope_choice import choose_rope_dim
 from .layer_runner import MLALayers
 
-__all__ = ["FoldSteps"]
+__all__ = ["FoldSteps", "spilled_key", "spilled_prep"]
+
+log = logging.getLogger(__name__)
+
+
+def spilled_key(rope_dim: int, name: str) -> str:
+    """The name of a spilled rotary plan's or error curve's tensor NAME at d_R ROPE_DIM."""
+    return f"d{rope_dim}.{name}"
+
+
+def spilled_prep(tensors: dict[str, torch.Tensor], rope_dim: int, device: str) -> LayerPrep:
+    """The rotary plan and Gram matrix at d_R ROPE_DIM among a layer's spilled TENSORS, on DEVICE."""
+    key = spilled_key(rope_dim, "")
+    return prep_from_tensors({k.removeprefix(key): v for k, v in tensors.items() if k.startswith(key)}, device)
 
 
 class FoldSteps:
-    """The per-layer fold choice of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``, ``n_calib``
-    and ``src_layers``, and its ``_input_slot``)."""
+    """The per-layer measured choices of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``,
+    ``n_calib``, ``src_layers`` and ``state``, and its ``_input_slot``)."""
 
-    def _measures_fold(self, metrics: LayerMetrics | None) -> bool:
+    def _measures_fold(self, metrics: LayerMetrics | None, rope_dim: int) -> bool:
         m, c = self.c.method, self.c
         return (metrics is not None and m.rope == "scored" and m.fold == 0 and not m.stock_rope
-                and len(fold_candidates(c.shape.head_dim, c.rope_dim)) > 1)
+                and len(fold_candidates(c.shape.head_dim, rope_dim)) > 1)
+
+    def _measured_stream(self, i: int, tensors: dict, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``FOLD_TOKENS`` tokens' inputs of layer I on the stream at BASE, and the source attention's
+        output on them (TENSORS: the source layer's)."""
+        c, bs = self.c, self.c.batch_size
+        rows = min(self.n_calib, -(-FOLD_TOKENS // c.calib_ids.shape[1]))
+        inputs = self.store.read(self._input_slot(i, base), 0, rows).to(c.device)
+        source = self.src_layers.layer(i, tensors)
+        return inputs, torch.cat([attention_output(source, self.src_layers.run, inputs[s : s + bs])
+                                  for s in range(0, rows, bs)])
+
+    def _converted(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics, method: Method,
+                   rope_dim: int, rank: int):
+        """Layer I converted with METHOD at ROPE_DIM and RANK (float32), and the runner that runs it."""
+        c = self.c
+        layers = MLALayers(c.placeholder_config([rank] * c.n, rope_dim), c.device)
+        mla = compress_layer(w, metrics, method, rope_dim, rank)
+        layers.config.rope_freq_index[i] = list(mla.freq_index)
+        return layers.converted(i, mla, tensors, c.shape.qkv_bias), layers.run
 
     @torch.no_grad()
     def _layer_method(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics | None,
-                      base: int) -> tuple[Method, dict | None]:
-        """The method layer I is converted with, and the record of its fold choice (None when none was
-        measured: data-free, a fold or rope method asked for, or a single candidate). TENSORS: the source
-        layer's; the calibration stream at BASE still holds layer I's input."""
+                      base: int, rope_dim: int | None = None, stream=None) -> tuple[Method, dict | None]:
+        """The method layer I is converted with at ROPE_DIM (default: the setup's), and the record of its fold
+        choice (None when none was measured: data-free, a fold or rope method asked for, or a single
+        candidate). TENSORS: the source layer's; the calibration stream at BASE still holds layer I's input
+        (STREAM: ``_measured_stream``'s result, when already at hand)."""
         c = self.c
-        if not self._measures_fold(metrics):
+        rope_dim = c.rope_dim if rope_dim is None else rope_dim
+        if not self._measures_fold(metrics, rope_dim):
             return c.method, None
-        rows = min(self.n_calib, -(-FOLD_TOKENS // c.calib_ids.shape[1]))
-        bs = c.batch_size
-        inputs = self.store.read(self._input_slot(i, base), 0, rows).to(c.device)
-        source = self.src_layers.layer(i, tensors)
-        targets = torch.cat([attention_output(source, self.src_layers.run, inputs[s : s + bs])
-                             for s in range(0, rows, bs)])
-        del source
-        ref = float(targets.double().square().sum())
-        full = 2 * c.shape.num_kv_heads * c.shape.head_dim - c.rope_dim
-        layers = MLALayers(c.placeholder_config([full] * c.n), c.device)
+        inputs, targets = stream or self._measured_stream(i, tensors, base)
+        bs, ref = c.batch_size, float(targets.double().square().sum())
+        full = 2 * c.shape.num_kv_heads * c.shape.head_dim - rope_dim
 
         def error(fold: int) -> float:
-            mla = compress_layer(w, metrics, replace(c.method, fold=fold), c.rope_dim, full)
-            layers.config.rope_freq_index[i] = list(mla.freq_index)
-            block = layers.converted(i, mla, tensors, c.shape.qkv_bias)
-            err = sum(float((attention_output(block, layers.run, inputs[s : s + bs]) - targets[s : s + bs])
-                            .double().square().sum()) for s in range(0, rows, bs))
+            block, run = self._converted(i, tensors, w, metrics, replace(c.method, fold=fold), rope_dim, full)
+            err = sum(float((attention_output(block, run, inputs[s : s + bs]) - targets[s : s + bs])
+                            .double().square().sum()) for s in range(0, inputs.shape[0], bs))
             return err / ref if ref > 0 else err
 
-        fold, errors = choose_fold(fold_candidates(c.shape.head_dim, c.rope_dim), error)
-        record = {"fold": fold, "errors": {str(f): round(e, 6) for f, e in errors.items()}, "sequences": rows}
+        fold, errors = choose_fold(fold_candidates(c.shape.head_dim, rope_dim), error)
+        record = {"fold": fold, "errors": {str(f): round(e, 6) for f, e in errors.items()},
+                  "sequences": inputs.shape[0]}
         return replace(c.method, fold=fold), record
+
+    @torch.no_grad()
+    def _held_out(self, block, run, stream) -> list[float]:
+        """BLOCK's relative attention error on each validation fold of STREAM's sequences (k: sequence k % 2),
+        after the joint value refit where the conversion runs one (its held-out error, fitted on the other
+        fold), else the closed form's."""
+        inputs, targets = stream
+        moments, bs = ValueMoments(), self.c.batch_size
+        for s in range(0, inputs.shape[0], bs):
+            add_batch(moments, block, run, inputs[s : s + bs], targets[s : s + bs], s)
+        folds = moments.result()
+        total = folds[0][2] + folds[1][2]
+        closed = [values_error(*value_weights(block.self_attn), f) / total for f in folds]
+        if self.c.refine is None or self.c.refine.method != "values":
+            return closed
+        report = refit_values(block, moments)
+        return report.get("cv_folds_refit" if report["kept"] == "values refit" else "cv_folds_start", closed)
+
+    def _layer_choices(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics,
+                       base: int) -> dict[str, torch.Tensor]:
+        """The statistics pass's measured choices for layer I at each candidate d_R: the fold record and (when
+        d_R is measured) the held-out errors into the run state's ``measured``; returns the rotary plans and
+        error curves to spill (``spilled_key``)."""
+        c, spill, found = self.c, {}, {}
+        measured = len(c.rope_candidates) > 1
+        stream = self._measured_stream(i, tensors, base) if measured else None
+        for d in c.rope_candidates:
+            method, record = self._layer_method(i, tensors, w, metrics, base, d, stream)
+            held = None
+            if measured:
+                held = self._held_out(*self._converted(i, tensors, w, metrics, method, d, c.layout_at(d)[2][i]),
+                                      stream)
+            found[str(d)] = {"fold": record, "held_out": held}
+            prep = prepare_layer(w, metrics, method, d)
+            error = error_curve(w, metrics, method, d, prep).cpu()
+            spill |= {spilled_key(d, k): v for k, v in (prep_tensors(prep) | {"error": error}).items()}
+        self.state.setdefault("measured", {})[str(i)] = found
+        return spill
+
+    def _settle_choices(self) -> None:
+        """Once every layer is measured: a measured shared d_R (``rope_choice.choose_rope_dim``) into the run
+        state and the setup, then each layer's fold record at the d_R converted with."""
+        c, st = self.c, self.state
+        if len(c.rope_candidates) > 1:
+            self._choose_rope_dim()
+        st["folds"] = {str(i): st["measured"][str(i)][str(c.rope_dim)]["fold"] for i in range(c.n)}
+
+    def _choose_rope_dim(self) -> None:
+        c, st = self.c, self.state
+        held = {d: [sum(st["measured"][str(i)][str(d)]["held_out"][k] for i in range(c.n)) for k in (0, 1)]
+                for d in c.rope_candidates}
+        st["rope_search"] = {str(d): [round(e, 6) for e in v] for d, v in held.items()}
+        st["rope_dim"] = choose_rope_dim(held, c.reference_rope)
+        c.use_rope_dim(st["rope_dim"], st["rope_search"])
+        log.info("--rope-dim measured: d_R %d (summed held-out error per candidate: %s)", c.rope_dim,
+                 ", ".join(f"{d}: {sum(v):.4f}" for d, v in held.items()))

@@ -20,6 +20,7 @@ from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats, attention_
 from ..convert.engine_target import check_target_shape
 from ..convert.mla_layer import AttentionWeights
 from ..convert.rank_plan import budget_layout, uniform_ranks
+from ..convert.rope_choice import rope_candidates
 from ..io.fingerprint import content_fingerprint
 from ..io.shard_stream import ShardLayout
 from .settings import (
@@ -28,6 +29,7 @@ from .settings import (
     budget_values,
     calibration_ids,
     check_ranks,
+    fixed_rope_dim,
     method_of,
     needs_calibration,
     refine_settings,
@@ -47,9 +49,10 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 7  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+STATE_VERSION = 8  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
 # 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
-# 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change)
+# 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change);
+# 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate)
 
 
 @dataclass
@@ -119,7 +122,8 @@ class ConversionSetup:
             return _concrete_inputs(opts)
         if opts.refine == "auto" and not self.calibrated:
             return replace(opts, refine="none", refine_inputs="auto")
-        rank = max(self.ranks or self.uniform)  # a plan's ranks average the uniform ones: at least this
+        # a plan's ranks average the uniform ones: at least this; a measured d_R may be the least candidate
+        rank = max(self.ranks or self.layout_at(min(self.rope_candidates))[2])
         reasons = []
         for method in VALUE_REFITS if opts.refine == "auto" else (opts.refine,):
             bound = REFINE_FIXED_INPUTS.get(method)
@@ -159,24 +163,27 @@ class ConversionSetup:
         check_source_tensors(source)
         self.dtype = resolve_dtype(opts.dtype, cfg)
         self.device = opts.device
-        G, d = shape.num_kv_heads, shape.head_dim
         self.two_pass = False  # planned or fisher: every layer's statistics before any rank
         self.plan_report: dict = {}
         if opts.kv_budget is not None:
-            budget = budget_values(opts, shape, n)
-            fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
-            try:
-                self.rope_dim, self.rank_budget = budget_layout(n, G, d, budget, fixed_rope, opts.stock_rope)
-            except ValueError as exc:
-                raise ConversionError(str(exc)) from exc
-            self.uniform = uniform_ranks(n, G, d, self.rope_dim, self.rank_budget)
+            self.budget = budget = budget_values(opts, shape, n)
+            self.rope_dim, self.rank_budget, self.uniform = self.layout_at(fixed_rope_dim(opts), opts.stock_rope)
             self.two_pass = opts.allocation in ("planned", "fisher")
             self.ranks = None if self.two_pass else self.uniform
             self.plan_report = {"allocation": opts.allocation, "rope_dim": self.rope_dim,
                                 "budget_values_per_token": budget}
+            # the d_R the statistics pass measures (one: it is given), and the default's
+            self.rope_candidates, self.reference_rope = [self.rope_dim], self.rope_dim
+            if opts.rope_dim == "measured":
+                if not self.two_pass:
+                    raise ConversionError(f"--rope-dim measured is chosen once every layer has been measured, in "
+                                          f"a two-pass plan; --allocation {opts.allocation} converts each layer "
+                                          f"as it goes: use --allocation fisher or planned, or give --rope-dim")
+                self.rope_candidates = rope_candidates(shape.num_kv_heads, shape.head_dim, budget // n, self.rope_dim)
         else:
             rank, self.rope_dim = check_ranks(opts, shape)
             self.ranks = [rank] * n
+            self.rope_candidates = [self.rope_dim]
         self.calibrated = needs_calibration(opts, shape)
         self.opts = opts = self._resolve_refine(opts, shape, stream)
         # after the refit is known (auto's latent depends on it); the report and the saved recipe name the method used
@@ -211,6 +218,25 @@ class ConversionSetup:
         ]
         self.head_name = names.head_weight(present, self.tied)
 
+    def layout_at(self, rope_dim: int | None, stock: bool = False) -> tuple[int, int, list[int]]:
+        """The budget at shared ROPE_DIM (None: the default share; STOCK: a stock-rope d_R): (d_R, the
+        latent budget over all layers, the uniform ranks)."""
+        G, d = self.shape.num_kv_heads, self.shape.head_dim
+        try:
+            rope_dim, rank_budget = budget_layout(self.n, G, d, self.budget, rope_dim, stock)
+        except ValueError as exc:
+            raise ConversionError(str(exc)) from exc
+        return rope_dim, rank_budget, uniform_ranks(self.n, G, d, rope_dim, rank_budget)
+
+    def use_rope_dim(self, rope_dim: int, search: dict) -> None:
+        """Convert with ROPE_DIM, the candidate the statistics pass chose (``--rope-dim measured``) by the
+        summed held-out errors SEARCH (d_R -> error per validation fold), which the report keeps."""
+        if rope_dim not in self.rope_candidates:
+            raise ConversionError(f"d_R {rope_dim} was not measured (candidates {self.rope_candidates}); "
+                                  f"the work directory does not match this conversion: start it afresh")
+        self.rope_dim, self.rank_budget, self.uniform = self.layout_at(rope_dim)
+        self.plan_report |= {"rope_dim": rope_dim, "rope_search": search}
+
     def norm_and_head(self) -> dict[str, torch.Tensor]:
         """The source's final norm weight and LM head (key ``head``), as ``SourceLayers.head`` reads them."""
         return {names.FINAL_NORM: self.source.tensor(names.FINAL_NORM), "head": self.source.tensor(self.head_name)}
@@ -228,10 +254,11 @@ class ConversionSetup:
             "sequential": self.stream.sequential,
         }
 
-    def placeholder_config(self, ranks: list[int]):
-        """The MLA config of RANKS with the rope frequencies still unknown (they fix no tensor shape)."""
-        half = self.shape.head_dim // 2
-        layers = [LayerRecord(r, self.rope_dim, [j % half for j in range(self.rope_dim // 2)]) for r in ranks]
+    def placeholder_config(self, ranks: list[int], rope_dim: int | None = None):
+        """The MLA config of RANKS at d_R ROPE_DIM (default: the setup's) with the rope frequencies still unknown
+        (they fix no tensor shape)."""
+        half, rope_dim = self.shape.head_dim // 2, self.rope_dim if rope_dim is None else rope_dim
+        layers = [LayerRecord(r, rope_dim, [j % half for j in range(rope_dim // 2)]) for r in ranks]
         return mla_config(self.source.config, self.shape, layers, self.dtype)
 
     def layout(self, ranks: list[int]) -> tuple[ShardLayout, list[list[str]]]:

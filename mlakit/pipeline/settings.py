@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_ALLOCATION", "AUTO_RRR_FROM", "DTYPES", "VALUE_REFITS", "ConversionError", "budget_values", "cached_share", "calibration_ids",
-    "check_ranks", "effective_recipe", "method_of", "needs_calibration", "needs_sensitivity",
+    "check_ranks", "effective_recipe", "fixed_rope_dim", "method_of", "needs_calibration", "needs_sensitivity",
     "refine_settings", "resolve_allocation", "resolve_dtype", "resolve_lowrank", "sensitivity_sequences",
 ]
 
@@ -52,11 +52,17 @@ def resolve_dtype(name: str, source_config) -> torch.dtype:
     return DTYPES[name]
 
 
+def fixed_rope_dim(opts: ConvertOptions) -> int | None:
+    """The d_R --rope-dim fixes within a --kv-budget (None: the budget's default share, or measured)."""
+    return opts.rope_dim if isinstance(opts.rope_dim, int) else None
+
+
 def check_ranks(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:
-    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim)."""
+    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim). 'measured' is chosen within a
+    budget only (``options``), and stands for every rotary dim here, as 'full' does."""
     G, d = shape.num_kv_heads, shape.head_dim
     rope_full = G * d
-    if opts.rope_dim == "full":
+    if opts.rope_dim in ("full", "measured"):
         rope_dim = rope_full
     else:
         rope_dim = int(opts.rope_dim)

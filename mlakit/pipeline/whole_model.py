@@ -22,6 +22,7 @@ from .settings import (
     budget_values,
     calibration_ids,
     check_ranks,
+    fixed_rope_dim,
     method_of,
     resolve_allocation,
     sensitivity_sequences,
@@ -55,7 +56,10 @@ def build_layers(ws, ms, shape: AttentionShape, opts: ConvertOptions, quiet: boo
     opts = resolve_allocation(opts)
     if opts.kv_budget is not None:
         budget = budget_values(opts, shape, n_layers)
-        fixed_rope = None if opts.rope_dim == "full" else int(opts.rope_dim)
+        if opts.rope_dim == "measured":
+            raise ConversionError("--rope-dim measured is chosen in a conversion's statistics pass; here give "
+                                  "--rope-dim as a number, or leave it to the budget's default share")
+        fixed_rope = fixed_rope_dim(opts)
         try:
             layers, report = plan_budget(ws, ms, method, budget, rope_dim=fixed_rope, allocation=opts.allocation,
                                          progress=lambda it, desc: _progress(it, desc, quiet),

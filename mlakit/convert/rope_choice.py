@@ -1,0 +1,41 @@
+"""The shared rotary dims d_R chosen by measurement on the calibration data (``--rope-dim measured``).
+
+Within a budget, every rotary dim taken is a latent dim lost: d_R trades the rotary key against the room
+the latent has for the non-rotary keys and the values. The closed form's error model does not judge that
+trade well once the value refit follows (the refit gives the latent more to do), and the default share of
+the budget (``rank_plan.ROPE_SHARE``) is one constant for every model. So each candidate d_R is measured
+the way the layer will be converted: in the statistics pass every layer is converted at each candidate
+(its fold measured at that d_R, its latent at the uniform rank the budget leaves), the value refit runs on
+the layer's first calibration sequences, and the refit's held-out error on each of its two validation
+folds (disjoint halves of those sequences) is summed over the layers (``pipeline.fold_steps``). Without
+a value refit the closed form's error on each half is what counts.
+
+The choice (``choose_rope_dim``) is the candidate of least summed held-out error, but only when it beats
+the default share's d_R on both halves: a difference the two halves do not agree on is not one these
+sequences can tell from noise, and the default keeps it (docs/results.md, "The rotary share, measured").
+"""
+
+from __future__ import annotations
+
+__all__ = ["MIN_LATENT", "choose_rope_dim", "rope_candidates"]
+
+# the narrowest latent a candidate may leave per layer: below it the latent cannot carry the values of even
+# one head of the usual widths, and no such split came near the best in the measurements
+MIN_LATENT = 16
+
+
+def rope_candidates(num_kv_heads: int, head_dim: int, per_layer_budget: int, reference: int) -> list[int]:
+    """The d_R measured: multiples of 8 from half the default REFERENCE to twice it, within [8, G d], that leave
+    a latent of at least ``MIN_LATENT`` in PER_LAYER_BUDGET cached values; REFERENCE always among them."""
+    top = min(num_kv_heads * head_dim, per_layer_budget - MIN_LATENT, 2 * reference)
+    grid = range(8 * max(1, -(-reference // 16)), top + 1, 8)
+    return sorted({*grid, reference})
+
+
+def choose_rope_dim(held_out: dict[int, list[float]], reference: int) -> int:
+    """The candidate of HELD_OUT (d_R -> summed held-out error on each validation fold) whose total is least,
+    when it is lower than REFERENCE's on every fold; else REFERENCE. On equal totals the smaller d_R."""
+    best = min(held_out, key=lambda d: (sum(held_out[d]), d))
+    if all(b < r for b, r in zip(held_out[best], held_out[reference])):
+        return best
+    return reference

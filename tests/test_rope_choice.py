@@ -1,0 +1,103 @@
+"""--rope-dim measured: the shared d_R chosen in the statistics pass from each candidate's held-out error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlakit.convert.rope_choice import MIN_LATENT, choose_rope_dim, rope_candidates
+from mlakit.io.work_dir import work_dir_for
+from mlakit.options import OptionsError
+from mlakit.pipeline.api import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
+from mlakit.pipeline.conversion_table import conversion_table, read_conversion
+from tests.convert_helpers import (
+    Interrupt,
+    assert_same_bytes,
+    assert_same_checkpoint,
+    fast_args,
+    run,
+    stop_at,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# llama_gqa: 2 KV heads of head_dim 16 (32 rotary dims at most); at 0.75 of the cache a layer keeps 48 values,
+# so the default share gives d_R 16 and the candidates are 8, 16, 24 and 32. 8 sequences of 32 tokens per
+# validation fold: enough tokens for the value refit to run at every candidate
+MEASURED = dict(kv_budget=0.75, allocation="fisher", rope_dim="measured", calib="random", calib_samples=16,
+                calib_seq_len=32, dtype="float32", quiet=True)
+
+
+def test_candidates_run_from_half_to_twice_the_default_and_leave_a_latent():
+    assert rope_candidates(3, 64, 120, 32) == [16, 24, 32, 40, 48, 56, 64]
+    assert rope_candidates(2, 64, 80, 24) == [16, 24, 32, 40, 48]
+    assert rope_candidates(2, 64, 32, 8) == [8, 16]  # a latent of 16 left: no further
+    assert rope_candidates(2, 16, 48, 16) == [8, 16, 24, 32]  # at most every rotary dim of the G heads
+    for budget in range(24, 400, 7):
+        for reference in (8, 16, 40):
+            got = rope_candidates(4, 64, budget, reference)
+            assert reference in got and got == sorted(set(got))
+            assert all(d % 8 == 0 and d <= 256 for d in got)
+            assert all(budget - d >= MIN_LATENT and reference / 2 <= d <= 2 * reference for d in got if d != reference)
+
+
+def test_the_least_error_wins_only_where_both_folds_agree():
+    held = {16: [0.30, 0.32], 24: [0.20, 0.25], 32: [0.19, 0.24]}
+    assert choose_rope_dim(held, 16) == 32
+    # 32's total is least, but the second fold does not see it beat the default: no change
+    assert choose_rope_dim({16: [0.30, 0.32], 32: [0.20, 0.33]}, 16) == 16
+    assert choose_rope_dim({16: [0.30, 0.32], 24: [0.30, 0.32]}, 24) == 24  # equal: no gain shown on either fold
+    assert choose_rope_dim({8: [0.1, 0.1], 16: [0.1, 0.1], 24: [0.2, 0.2]}, 24) == 8  # equal totals: the smaller d_R
+
+
+def test_the_measured_conversion_is_the_one_at_the_chosen_dim(tiny_sources, tmp_path):
+    """In memory and streaming alike: every candidate measured and reported, the rule's choice taken, and the
+    weights those of a conversion given that d_R, bit for bit."""
+    source = str(tiny_sources["llama_gqa"])
+    mem = convert(source, tmp_path / "mem", ConvertOptions(**MEASURED))
+    got = convert_streaming(source, tmp_path / "stream", ConvertOptions(**MEASURED))
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert got["plan"] == mem["plan"]
+    search = {int(d): e for d, e in got["plan"]["rope_search"].items()}
+    assert sorted(search) == [8, 16, 24, 32] and all(len(e) == 2 and min(e) >= 0 for e in search.values())
+    chosen = got["plan"]["rope_dim"]
+    assert chosen == choose_rope_dim(search, 16)
+    assert {r["qk_rope_head_dim"] for r in got["layers"]} == {chosen}
+    fixed = convert(source, tmp_path / "fixed", ConvertOptions(**(MEASURED | {"rope_dim": chosen})))
+    assert_same_checkpoint(tmp_path / "fixed", tmp_path / "mem")
+    assert [r.get("fold_choice") for r in fixed["layers"]] == [r.get("fold_choice") for r in got["layers"]]
+    assert "rope_dim: measured" in (tmp_path / "mem" / "recipe.yaml").read_text()  # the recipe reruns the search
+    line = next(x for x in conversion_table(read_conversion(tmp_path / "mem")).splitlines() if "d_R measured" in x)
+    assert all(f"{d}: {e[0]:.4g} + {e[1]:.4g}" in line for d, e in search.items()), line
+
+
+def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources, tmp_path):
+    source, opts = str(tiny_sources["llama_gqa"]), ConvertOptions(**MEASURED)
+    convert_streaming(source, tmp_path / "reference", opts)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupt):
+        convert_streaming(source, out, opts, on_layer=stop_at("convert", 1))
+    state = json.loads((work_dir_for(out) / "state.json").read_text())
+    assert state["rope_dim"] in (8, 16, 24, 32)
+    report = convert_streaming(source, out, opts, StreamOptions(resume=True))
+    assert report["pipeline"]["resumed_from_layer"] == 1 and report["plan"]["rope_dim"] == state["rope_dim"]
+    assert_same_checkpoint(out, tmp_path / "reference")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_dim": "measured"}, "give --kv-budget as well"),
+    ({"rope_dim": "measured", "kv_budget": 0.5, "stock_rope": True}, "give --rope-dim as a number"),
+])
+def test_a_measured_dim_outside_a_budget_is_refused(fields, message):
+    with pytest.raises(OptionsError, match=message):
+        ConvertOptions(**fields)
+
+
+def test_a_one_pass_allocation_cannot_measure_and_says_so(tiny_sources, tmp_path):
+    code, out = run(tiny_sources["llama_gqa"], tmp_path / "out", *fast_args()[4:], "--kv-budget", 0.75,
+                    "--rope-dim", "measured", "--allocation", "uniform")
+    assert code != 0 and "use --allocation fisher or planned" in out, out
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ConversionError, match="two-pass plan"):
+        convert(str(tiny_sources["llama_gqa"]), tmp_path / "out", ConvertOptions(**(MEASURED | {"allocation": "uniform"})))
