@@ -178,6 +178,7 @@ def main():
             row = {"budget": budget, "row": name, "convert_seconds": round(seconds, 1),
                    "ranks": [lay["kv_lora_rank"] for lay in report["layers"]],
                    "rope_dim": report["layers"][0]["qk_rope_head_dim"],
+                   **({"rope_search": report["plan"]["rope_search"]} if "rope_search" in report["plan"] else {}),
                    "folds": [lay.get("fold_choice", {}).get("fold") for lay in report["layers"]], "texts": {}}
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)

@@ -26,7 +26,9 @@ first chosen with the closed form; under the value refit (the default since) the
 the values limits the conversion more than the rotary key does (bench/experiments/oracle_split.py),
 and a smaller share gave lower perplexity on both texts unlike the calibration's at every budget
 where it changes d_R, a little higher on the calibration's own kind (docs/results.md, "The rotary
-share under the value refit").
+share under the value refit"). ``--rope-dim measured`` chooses d_R by each candidate's held-out attention
+error after the value refit instead (``rope_choice``): better on a second family trained here, worse on
+SmolLM2's unseen text at one budget, so not the default.
 """
 
 from __future__ import annotations
