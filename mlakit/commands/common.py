@@ -139,7 +139,6 @@ class RankType(click.ParamType):
             self.fail(f"{value!r} is neither an integer nor {' nor '.join(map(repr, self.words))}", param, ctx)
 
 
-
 # Options shared by the commands that compare a converted model with its original (eval, bench).
 original_option = click.option(
     "--original",
