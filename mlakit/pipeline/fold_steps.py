@@ -72,11 +72,12 @@ class FoldSteps:
                                   for s in range(0, rows, bs)])
 
     def _converted(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics, method: Method,
-                   rope_dim: int, rank: int):
-        """Layer I converted with METHOD at ROPE_DIM and RANK (float32), and the runner that runs it."""
+                   rope_dim: int, rank: int, prep: LayerPrep | None = None):
+        """Layer I converted with METHOD at ROPE_DIM and RANK (float32; PREP: ``prepare_layer``'s result for
+        these, when at hand), and the runner that runs it."""
         c = self.c
         layers = MLALayers(c.placeholder_config([rank] * c.n, rope_dim), c.device)
-        mla = compress_layer(w, metrics, method, rope_dim, rank)
+        mla = compress_layer(w, metrics, method, rope_dim, rank, prep)
         layers.config.rope_freq_index[i] = list(mla.freq_index)
         return layers.converted(i, mla, tensors, c.shape.qkv_bias), layers.run
 
@@ -115,13 +116,15 @@ class FoldSteps:
         moments, bs = ValueMoments(), self.c.batch_size
         for s in range(0, inputs.shape[0], bs):
             add_batch(moments, block, run, inputs[s : s + bs], targets[s : s + bs], s)
+        if self.c.refine is not None and self.c.refine.method == "values":
+            report = refit_values(block, moments)
+            held = report.get("cv_folds_refit" if report["kept"] == "values refit" else "cv_folds_start")
+            if held is not None:
+                return held
+            # no validation ran (the start is exact, or a fold is too short): the refit left BLOCK as it was
         folds = moments.result()
         total = folds[0][2] + folds[1][2]
-        closed = [values_error(*value_weights(block.self_attn), f) / total for f in folds]
-        if self.c.refine is None or self.c.refine.method != "values":
-            return closed
-        report = refit_values(block, moments)
-        return report.get("cv_folds_refit" if report["kept"] == "values refit" else "cv_folds_start", closed)
+        return [values_error(*value_weights(block.self_attn), f) / total for f in folds]
 
     def _layer_choices(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics,
                        base: int) -> dict[str, torch.Tensor]:
@@ -133,12 +136,12 @@ class FoldSteps:
         stream = self._measured_stream(i, tensors, base) if measured else None
         for d in c.rope_candidates:
             method, record = self._layer_method(i, tensors, w, metrics, base, d, stream)
+            prep = prepare_layer(w, metrics, method, d)
             held = None
             if measured:
-                held = self._held_out(*self._converted(i, tensors, w, metrics, method, d, c.layout_at(d)[2][i]),
-                                      stream)
+                rank = c.layout_at(d)[2][i]
+                held = self._held_out(*self._converted(i, tensors, w, metrics, method, d, rank, prep), stream)
             found[str(d)] = {"fold": record, "held_out": held}
-            prep = prepare_layer(w, metrics, method, d)
             error = error_curve(w, metrics, method, d, prep).cpu()
             spill |= {spilled_key(d, k): v for k, v in (prep_tensors(prep) | {"error": error}).items()}
         self.state.setdefault("measured", {})[str(i)] = found
