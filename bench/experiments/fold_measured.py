@@ -44,6 +44,21 @@ def attention(block, run, hidden: torch.Tensor) -> torch.Tensor:
                       for s in range(0, hidden.shape[0], BATCH_SIZE)])
 
 
+@torch.no_grad()
+def source_layers(source, shape, opts, held: int):
+    """Per layer I of SOURCE: (I, its tensors, its input on the first HELD calibration sequences of OPTS, the
+    source attention's output on that input); the source stream advances through the layer after each."""
+    ids = calibration_ids(source, opts, source.config.vocab_size)[:held]
+    src = SourceLayers(source.config, shape.window)
+    hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
+    for i in range(source.config.num_hidden_layers):
+        prefix = LAYER_PREFIX.format(i=i)
+        tensors = {k: source.tensor(k) for k in source.tensor_names() if k.startswith(prefix)}
+        layer = src.layer(i, tensors)
+        yield i, tensors, hidden, attention(layer, src.run, hidden)
+        hidden = torch.cat([src.run(layer, hidden[s : s + BATCH_SIZE]) for s in range(0, hidden.shape[0], BATCH_SIZE)])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default="default")
@@ -68,17 +83,10 @@ def main() -> None:
     folds = [f for f in range(1, min(args.max_fold, half) + 1) if half % f == 0]
     print(f"d_R {rope_dim}, auto fold {auto_fold(half, rope_dim // 2)}; ranks {ranks}")
 
-    ids = calibration_ids(source, opts, source.config.vocab_size)[: args.held]
-    src = SourceLayers(source.config, shape.window)
-    hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
     full_rank = 2 * shape.num_kv_heads * shape.head_dim - rope_dim
     totals = {(f, r): 0.0 for f in folds for r in ("planned", "full")}
     print("layer | " + " | ".join(f"fold {f} planned / full" for f in folds))
-    for i in range(n):
-        prefix = LAYER_PREFIX.format(i=i)
-        tensors = {k: source.tensor(k) for k in source.tensor_names() if k.startswith(prefix)}
-        layer = src.layer(i, tensors)
-        target = attention(layer, src.run, hidden)
+    for i, tensors, hidden, target in source_layers(source, shape, opts, args.held):
         ref = float(target.double().square().sum())
         cells = []
         for f in folds:
@@ -94,7 +102,6 @@ def main() -> None:
                 errs.append(f"{err:.4f}")
             cells.append(" / ".join(errs))
         print(f"{i} | " + " | ".join(cells), flush=True)
-        hidden = torch.cat([src.run(layer, hidden[s : s + BATCH_SIZE]) for s in range(0, hidden.shape[0], BATCH_SIZE)])
     print("sum | " + " | ".join(f"{totals[f, 'planned']:.4f} / {totals[f, 'full']:.4f}" for f in folds))
 
 

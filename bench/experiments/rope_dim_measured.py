@@ -28,10 +28,9 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fold_measured import attention  # noqa: E402
+from fold_measured import attention, source_layers  # noqa: E402
 
 from mlakit.arch.families import attention_shape  # noqa: E402
-from mlakit.arch.names import LAYER_PREFIX  # noqa: E402
 from mlakit.convert.assemble import mla_config, read_attention  # noqa: E402
 from mlakit.convert.calibration import BATCH_SIZE  # noqa: E402
 from mlakit.convert.compress import compress_layer  # noqa: E402
@@ -39,8 +38,8 @@ from mlakit.convert.fold_choice import choose_fold, fold_candidates  # noqa: E40
 from mlakit.convert.layer_metrics import layer_metrics  # noqa: E402
 from mlakit.convert.refine_values import ValueMoments, add_batch, refit_values  # noqa: E402
 from mlakit.io.source import open_source  # noqa: E402
-from mlakit.pipeline.api import ConvertOptions, calibration_ids, method_of  # noqa: E402
-from mlakit.pipeline.layer_runner import MLALayers, SourceLayers  # noqa: E402
+from mlakit.pipeline.api import ConvertOptions, method_of  # noqa: E402
+from mlakit.pipeline.layer_runner import MLALayers  # noqa: E402
 from mlakit.pipeline.settings import budget_values  # noqa: E402
 from mlakit.pipeline.whole_model import calibrate  # noqa: E402
 
@@ -95,16 +94,9 @@ def main() -> None:
     full = {c: 2 * key_width - c for c in candidates}
     methods = {c: method_of(replace(opts, rope_dim=c), shape) for c in candidates}
 
-    ids = calibration_ids(source, opts, source.config.vocab_size)[: args.held]
-    src = SourceLayers(source.config, shape.window)
-    hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
     totals = {c: [0.0, 0.0, 0.0] for c in candidates}  # closed form, refit in-sample, refit held-out
     print("layer | " + " | ".join(f"d_R {c}: fold, closed / refit / held-out" for c in candidates))
-    for i in range(n):
-        prefix = LAYER_PREFIX.format(i=i)
-        tensors = {k: source.tensor(k) for k in source.tensor_names() if k.startswith(prefix)}
-        layer = src.layer(i, tensors)
-        target = attention(layer, src.run, hidden)
+    for i, tensors, hidden, target in source_layers(source, shape, opts, args.held):
         cells = []
         for c in candidates:
             at = partial(converted, source, shape, i, tensors, ws[i], ms[i], methods[c], c)
@@ -122,7 +114,6 @@ def main() -> None:
                 totals[c][k] += v
             cells.append(f"{fold}, {closed:.4f} / {report['loss_after']:.4f} / {held:.4f}")
         print(f"{i} | " + " | ".join(cells), flush=True)
-        hidden = torch.cat([src.run(layer, x) for _, x in batches(hidden)])
     print("sum | " + " | ".join(f"{t[0]:.4f} / {t[1]:.4f} / {t[2]:.4f}" for t in totals.values()))
     best = min(candidates, key=lambda c: totals[c][2])
     print(f"least summed held-out error: d_R {best}; {time.time() - start:.0f} s")
