@@ -19,7 +19,9 @@ compared with a base row on the same windows (paired; the closed form unless --b
 another): the interval of ppl(row) / ppl(base), kept as ``vs_default`` (the name from when the base
 was always the closed form, then the default). The first row is TransMLA's method as mlakit
 implements it (RoRoPE + FreqFold, BKV-PCA, uniform ranks), the reference the issues compare
-against. Writes ablation.json and ablation.md to --out.
+against. Writes ablation.json and ablation.md to --out, and every row's per-window sums (sums.pt), so that a later
+run can pair its rows with this run's base row (--pair-with): how a row under a changed module constant
+(experiments/ablation_constants.py) is paired with the default.
 """
 
 from __future__ import annotations
@@ -119,12 +121,18 @@ def main():
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--bootstrap", type=int, default=2000)
+    ap.add_argument("--pair-with", type=Path, default=None, help="pair every row with the base row of the run "
+                    "in this directory (its sums.pt; same source, texts and windows) instead of this run's")
     ap.add_argument("--out", required=True, type=Path)
     args = ap.parse_args()
     names = list(ROWS) if args.rows == "all" else [list(ROWS)[int(i) - 1] for i in args.rows.split(",")]
     base_row = BASE_ROW if args.base_row is None else list(ROWS)[args.base_row - 1]
-    if base_row not in names:
+    if base_row not in names and args.pair_with is None:
         ap.error(f"--base-row {args.base_row} is not among --rows {args.rows}")
+    paired = load_sums(args.pair_with, ap) if args.pair_with else None
+    missing = [b for b in args.budgets.split(",") if paired and f"{float(b)}|{base_row}" not in paired["rows"]]
+    if missing:
+        ap.error(f"--pair-with {args.pair_with}: no row '{base_row}' at budget(s) {', '.join(missing)} there")
     order = sorted(names, key=lambda n: n != base_row)  # the base row first: the others pair with it
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -143,6 +151,10 @@ def main():
     src_sums = window_sums(source.load_model(torch.float32))
     src_ppl = {k: texts[k].ratio(s) for k, s in src_sums.items()}
     print(f"source perplexity: {src_ppl}", flush=True)
+    if paired is not None and (paired["source"].keys() != src_sums.keys() or any(
+            not torch.equal(paired["source"][k], s) for k, s in src_sums.items())):
+        ap.error(f"--pair-with {args.pair_with}: its source scored other windows or texts; pair runs with the same "
+                 "--source, --eval-tokens, --seq-len and --stride")
 
     results, sums_by = [], {}
 
@@ -155,8 +167,11 @@ def main():
                 "calib_seq_len": args.calib_seq_len or ConvertOptions().calib_seq_len, "rope_dim": args.rope_dim,
                 "lowrank_method": args.lowrank_method, "calib_data": args.calib_data or ConvertOptions().calib,
                 "seed": ConvertOptions().seed if args.seed is None else args.seed,
-                "base_row": base_row, "seconds": round(time.time() - t0), "complete": complete}
+                "base_row": base_row, "seconds": round(time.time() - t0), "complete": complete,
+                **({"pair_with": str(args.pair_with)} if args.pair_with else {})}
         (args.out / "ablation.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        torch.save({"source": src_sums, "rows": {f"{b}|{n}": v for (b, n), v in sums_by.items()}},
+                   args.out / "sums.pt")
         (args.out / "ablation.md").write_text(render(meta, results, names))
         return meta
 
@@ -183,8 +198,9 @@ def main():
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)
                 cell = {"ppl": ppl, "ratio": ppl / src_ppl[k], "ratio_ci95": interval(k, s - src_sums[k])}
-                base = sums_by.get((budget, base_row))
-                if name != base_row and base is not None:
+                base = (paired["rows"][f"{budget}|{base_row}"] if paired
+                        else sums_by.get((budget, base_row)) if name != base_row else None)
+                if base is not None:
                     cell["vs_default"] = texts[k].ratio(s - base[k])
                     cell["vs_default_ci95"] = interval(k, s - base[k])
                 row["texts"][k] = cell
@@ -199,6 +215,13 @@ def main():
     print(render(meta, results, names))
 
 
+def load_sums(run: Path, ap: argparse.ArgumentParser) -> dict:
+    """The per-window sums another run of this bench saved in RUN (its sums.pt)."""
+    if not (run / "sums.pt").is_file():
+        ap.error(f"--pair-with {run}: no sums.pt there; give the --out directory of a run of this bench")
+    return torch.load(run / "sums.pt")
+
+
 def render(meta: dict, results: list[dict], names: list[str]) -> str:
     texts = list(meta["source_ppl"])
     budgets = sorted({r["budget"] for r in results}, reverse=True)
@@ -210,7 +233,9 @@ def render(meta: dict, results: list[dict], names: list[str]) -> str:
              + (f"--lowrank-method {meta['lowrank_method']} in every row but TransMLA's; " if meta.get("lowrank_method") else "") +
              f"{per_text}; "
              f"window {meta['seq_len']}, stride {meta['stride']}. In parentheses: ppl relative to the "
-             f"row '{meta.get('base_row', BASE_ROW)}' on the same windows with its 95% interval "
+             f"row '{meta.get('base_row', BASE_ROW)}'"
+             + (f" of the run in {meta['pair_with']}" if meta.get("pair_with") else "")
+             + f" on the same windows with its 95% interval "
              f"({meta['bootstrap']} bootstrap "
              f"resamples of the windows). Bold: the best row of a budget and text. Whole run {meta['seconds']} s"
              + ("." if meta.get("complete", True) else ", stopped or still running: only the rows measured so far."),
