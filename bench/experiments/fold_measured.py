@@ -45,10 +45,12 @@ def attention(block, run, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def source_layers(source, shape, opts, held: int):
+def source_layers(source, shape, opts, held: int, ids: torch.Tensor | None = None):
     """Per layer I of SOURCE: (I, its tensors, its input on the first HELD calibration sequences of OPTS, the
-    source attention's output on that input); the source stream advances through the layer after each."""
-    ids = calibration_ids(source, opts, source.config.vocab_size)[:held]
+    source attention's output on that input); the source stream advances through the layer after each.
+    IDS (sequences, tokens), when given, replace the calibration sequences."""
+    if ids is None:
+        ids = calibration_ids(source, opts, source.config.vocab_size)[:held]
     src = SourceLayers(source.config, shape.window)
     hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
     for i in range(source.config.num_hidden_layers):

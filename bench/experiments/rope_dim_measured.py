@@ -67,16 +67,18 @@ def full_rank_error(at, full: int, hidden: torch.Tensor, target: torch.Tensor, f
     return relative_error(*at(fold, full), hidden, target)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser, calib_samples: int) -> None:
     ap.add_argument("--source", default="default")
     ap.add_argument("--kv-budget", type=float, default=0.3125)
     ap.add_argument("--candidates", default="", help="comma-separated d_R (default: multiples of 8 up to G d, "
                                                       "leaving a latent of at least 16)")
-    ap.add_argument("--calib-samples", type=int, default=256)
+    ap.add_argument("--calib-samples", type=int, default=calib_samples)
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--held", type=int, default=16, help="sequences the refit and the error are measured on")
-    args = ap.parse_args()
+
+
+def setup(args) -> SimpleNamespace:
+    """The source, its options at --kv-budget, the candidate d_R and every layer's weights and statistics."""
     torch.manual_seed(0)
     source = open_source(args.source)
     shape = attention_shape(source.config)
@@ -87,29 +89,46 @@ def main() -> None:
     key_width = shape.num_kv_heads * shape.head_dim
     candidates = ([int(c) for c in args.candidates.split(",")] if args.candidates else
                   [c for c in range(8, key_width + 1, 8) if per_layer - c >= 16])
-    start = time.time()
     ws = [read_attention(source, i, shape) for i in range(n)]
     ms = [layer_metrics(w, st) for w, st in zip(ws, calibrate(source, shape, opts))]
-    print(f"per-layer budget {per_layer}; candidates {candidates}; statistics {time.time() - start:.0f} s")
-    full = {c: 2 * key_width - c for c in candidates}
-    methods = {c: method_of(replace(opts, rope_dim=c), shape) for c in candidates}
+    return SimpleNamespace(source=source, shape=shape, opts=opts, per_layer=per_layer, candidates=candidates,
+                           ws=ws, ms=ms, methods={c: method_of(replace(opts, rope_dim=c), shape) for c in candidates})
+
+
+def refit_at(run_setup: SimpleNamespace, i: int, tensors: dict, c: int, hidden: torch.Tensor, target: torch.Tensor):
+    """Layer I at d_R C as the default converts it: the fold measured at full rank on HIDDEN, the latent at the
+    uniform rank, the value refit from moments on HIDDEN. Returns (fold, block, runner, refit report, the
+    closed form's error, the refit's held-out error)."""
+    st = run_setup
+    at = partial(converted, st.source, st.shape, i, tensors, st.ws[i], st.ms[i], st.methods[c], c)
+    full = 2 * st.shape.num_kv_heads * st.shape.head_dim - c
+    fold, _ = choose_fold(fold_candidates(st.shape.head_dim, c), partial(full_rank_error, at, full, hidden, target))
+    block, run = at(fold, st.per_layer - c)
+    moments = ValueMoments()
+    for s, x in batches(hidden):
+        add_batch(moments, block, run, x, target[s : s + x.shape[0]], s)
+    report = refit_values(block, moments)
+    closed = moments.start_loss
+    held = report.get("cv_loss_refit", closed) if report["kept"] == "values refit" else \
+        report.get("cv_loss_start", closed)
+    return fold, block, run, report, closed, held
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap, calib_samples=256)
+    args = ap.parse_args()
+    start = time.time()
+    st = setup(args)
+    candidates = st.candidates
+    print(f"per-layer budget {st.per_layer}; candidates {candidates}; statistics {time.time() - start:.0f} s")
 
     totals = {c: [0.0, 0.0, 0.0] for c in candidates}  # closed form, refit in-sample, refit held-out
     print("layer | " + " | ".join(f"d_R {c}: fold, closed / refit / held-out" for c in candidates))
-    for i, tensors, hidden, target in source_layers(source, shape, opts, args.held):
+    for i, tensors, hidden, target in source_layers(st.source, st.shape, st.opts, args.held):
         cells = []
         for c in candidates:
-            at = partial(converted, source, shape, i, tensors, ws[i], ms[i], methods[c], c)
-            fold, _ = choose_fold(fold_candidates(shape.head_dim, c),
-                                  partial(full_rank_error, at, full[c], hidden, target))
-            block, run = at(fold, per_layer - c)
-            moments = ValueMoments()
-            for s, x in batches(hidden):
-                add_batch(moments, block, run, x, target[s : s + x.shape[0]], s)
-            report = refit_values(block, moments)
-            closed = moments.start_loss
-            held = report.get("cv_loss_refit", closed) if report["kept"] == "values refit" else \
-                report.get("cv_loss_start", closed)
+            fold, _, _, report, closed, held = refit_at(st, i, tensors, c, hidden, target)
             for k, v in enumerate((closed, report["loss_after"], held)):
                 totals[c][k] += v
             cells.append(f"{fold}, {closed:.4f} / {report['loss_after']:.4f} / {held:.4f}")
