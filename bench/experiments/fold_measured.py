@@ -45,12 +45,9 @@ def attention(block, run, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def source_layers(source, shape, opts, held: int, ids: torch.Tensor | None = None):
-    """Per layer I of SOURCE: (I, its tensors, its input on the first HELD calibration sequences of OPTS, the
-    source attention's output on that input); the source stream advances through the layer after each.
-    IDS (sequences, tokens), when given, replace the calibration sequences."""
-    if ids is None:
-        ids = calibration_ids(source, opts, source.config.vocab_size)[:held]
+def source_layers(source, shape, ids: torch.Tensor):
+    """Per layer I of SOURCE: (I, its tensors, its input on the sequences IDS (sequences, tokens), the source
+    attention's output on that input); the source stream advances through the layer after each."""
     src = SourceLayers(source.config, shape.window)
     hidden = torch.nn.functional.embedding(ids, source.tensor("model.embed_tokens.weight").float())
     for i in range(source.config.num_hidden_layers):
@@ -59,6 +56,11 @@ def source_layers(source, shape, opts, held: int, ids: torch.Tensor | None = Non
         layer = src.layer(i, tensors)
         yield i, tensors, hidden, attention(layer, src.run, hidden)
         hidden = torch.cat([src.run(layer, hidden[s : s + BATCH_SIZE]) for s in range(0, hidden.shape[0], BATCH_SIZE)])
+
+
+def held_ids(source, opts, held: int) -> torch.Tensor:
+    """The first HELD calibration sequences of OPTS: those a rule in the converter measures on."""
+    return calibration_ids(source, opts, source.config.vocab_size)[:held]
 
 
 def main() -> None:
@@ -88,7 +90,7 @@ def main() -> None:
     full_rank = 2 * shape.num_kv_heads * shape.head_dim - rope_dim
     totals = {(f, r): 0.0 for f in folds for r in ("planned", "full")}
     print("layer | " + " | ".join(f"fold {f} planned / full" for f in folds))
-    for i, tensors, hidden, target in source_layers(source, shape, opts, args.held):
+    for i, tensors, hidden, target in source_layers(source, shape, held_ids(source, opts, args.held)):
         ref = float(target.double().square().sum())
         cells = []
         for f in folds:

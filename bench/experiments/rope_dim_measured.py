@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fold_measured import attention, source_layers  # noqa: E402
+from fold_measured import attention, held_ids, source_layers  # noqa: E402
 
 from mlakit.arch.families import attention_shape  # noqa: E402
 from mlakit.convert.assemble import mla_config, read_attention  # noqa: E402
@@ -125,7 +125,7 @@ def main() -> None:
 
     totals = {c: [0.0, 0.0, 0.0] for c in candidates}  # closed form, refit in-sample, refit held-out
     print("layer | " + " | ".join(f"d_R {c}: fold, closed / refit / held-out" for c in candidates))
-    for i, tensors, hidden, target in source_layers(st.source, st.shape, st.opts, args.held):
+    for i, tensors, hidden, target in source_layers(st.source, st.shape, held_ids(st.source, st.opts, args.held)):
         cells = []
         for c in candidates:
             fold, _, _, report, closed, held = refit_at(st, i, tensors, c, hidden, target)

@@ -32,12 +32,11 @@ import torch
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
-from fold_measured import source_layers  # noqa: E402
+from fold_measured import held_ids, source_layers  # noqa: E402
 from quality_ablation import TEXTS  # noqa: E402
 from rope_dim_measured import add_arguments, refit_at, relative_error, setup  # noqa: E402
 
 from mlakit.data import tokenize_text  # noqa: E402
-from mlakit.pipeline.api import calibration_ids  # noqa: E402
 
 
 @torch.no_grad()
@@ -66,7 +65,7 @@ def main() -> None:
     start = time.time()
     st = setup(args)
     candidates, seq_len = st.candidates, args.calib_seq_len
-    texts = {"calib": calibration_ids(st.source, st.opts, st.source.config.vocab_size)[: args.held],
+    texts = {"calib": held_ids(st.source, st.opts, args.held),
              "sampled": sampled_ids(st.source, args.held, seq_len, seed=0),
              **{name: text_ids(st.source, name, args.held, seq_len) for name in ("GPL-3", "vim manual")}}
     spans, at = {}, 0
@@ -78,7 +77,7 @@ def main() -> None:
 
     totals = {name: dict.fromkeys(candidates, 0.0) for name in texts}
     all_ids = torch.cat(list(texts.values()))
-    for i, tensors, hidden, target in source_layers(st.source, st.shape, st.opts, 0, ids=all_ids):
+    for i, tensors, hidden, target in source_layers(st.source, st.shape, all_ids):
         fit = spans["calib"]
         cells = {name: [] for name in texts}
         for c in candidates:
