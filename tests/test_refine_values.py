@@ -252,8 +252,11 @@ def test_converted_stream_from_latents_matches_running_the_layer(tiny_sources, t
     whole = convert_streaming(str(tiny_sources[family]), tmp_path / "whole", opts)["layers"]
     for key in ("loss_before", "loss_after"):
         losses = [[r["refine"][key] for r in layers] for layers in (kept, whole)]
-        # abs: a relative loss's float32 noise floor, reached where the refit's target is nearly met
-        assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-8), (key, losses)
+        # rel: a flipped rounding of the stored stream moves the later layers' inputs by one bfloat16 step in a
+        # few elements, which moves their loss by parts in ten thousand (how many flip varies with the host's
+        # float32 sums); a wrong latent would move it by its whole size. abs: a relative loss's float32 noise
+        # floor, reached where the refit's target is nearly met
+        assert losses[0] == pytest.approx(losses[1], rel=1e-3, abs=1e-8), (key, losses)
     a, b = checkpoint_tensors(tmp_path / "kept"), checkpoint_tensors(tmp_path / "whole")
     assert a.keys() == b.keys()
     off = {k: float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)) for k in a}

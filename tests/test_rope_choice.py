@@ -1,12 +1,14 @@
-"""--rope-dim measured: the shared d_R chosen in the statistics pass from each candidate's held-out error."""
+"""--rope-dim measured: the shared d_R chosen in the statistics pass from each candidate's held-out error, checked on
+the shuffled sequences."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
-from mlakit.convert.rope_choice import MIN_LATENT, choose_rope_dim, rope_candidates
+from mlakit.convert.rope_choice import MIN_LATENT, choose_rope_dim, rope_candidates, shuffled_sequences
 from mlakit.io.work_dir import work_dir_for
 from mlakit.options import OptionsError
 from mlakit.pipeline.api import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
@@ -42,13 +44,26 @@ def test_candidates_run_from_half_to_twice_the_default_and_leave_a_latent():
             assert all(budget - d >= MIN_LATENT and reference / 2 <= d <= 2 * reference for d in got if d != reference)
 
 
-def test_the_least_error_wins_only_where_both_folds_agree():
-    held = {16: [0.30, 0.32], 24: [0.20, 0.25], 32: [0.19, 0.24]}
+def test_the_least_error_wins_only_where_both_folds_and_the_shuffled_sequences_agree():
+    held = {16: [0.30, 0.32, 0.5], 24: [0.20, 0.25, 0.45], 32: [0.19, 0.24, 0.4]}
     assert choose_rope_dim(held, 16) == 32
     # 32's total is least, but the second fold does not see it beat the default: no change
-    assert choose_rope_dim({16: [0.30, 0.32], 32: [0.20, 0.33]}, 16) == 16
-    assert choose_rope_dim({16: [0.30, 0.32], 24: [0.30, 0.32]}, 24) == 24  # equal: no gain shown on either fold
-    assert choose_rope_dim({8: [0.1, 0.1], 16: [0.1, 0.1], 24: [0.2, 0.2]}, 24) == 8  # equal totals: the smaller d_R
+    assert choose_rope_dim({16: [0.30, 0.32, 0.5], 32: [0.20, 0.33, 0.4]}, 16) == 16
+    # both folds agree, but on the shuffled sequences the default is better: no change
+    assert choose_rope_dim({16: [0.30, 0.32, 0.5], 32: [0.20, 0.25, 0.51]}, 16) == 16
+    assert choose_rope_dim({16: [0.30, 0.32, 0.5], 24: [0.30, 0.32, 0.4]}, 24) == 24  # equal: no gain shown on either fold
+    # equal totals: the smaller d_R; the shuffled error does not rank, it only vetoes
+    assert choose_rope_dim({8: [0.1, 0.1, 0.3], 16: [0.1, 0.1, 0.2], 24: [0.2, 0.2, 0.4]}, 24) == 8
+
+
+def test_shuffled_sequences_keep_each_sequence_s_tokens_and_first_token():
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
+    before = ids.clone()
+    got = shuffled_sequences(ids, seed=0)
+    assert torch.equal(ids, before)  # the input is left as it was
+    assert torch.equal(got[:, 0], ids[:, 0]) and not torch.equal(got, ids)
+    assert all(torch.equal(a.sort().values, b.sort().values) for a, b in zip(got, ids))
+    assert torch.equal(got, shuffled_sequences(ids, seed=0)) and not torch.equal(got, shuffled_sequences(ids, seed=1))
 
 
 def test_the_measured_conversion_is_the_one_at_the_chosen_dim(tiny_sources, tmp_path):
@@ -60,7 +75,7 @@ def test_the_measured_conversion_is_the_one_at_the_chosen_dim(tiny_sources, tmp_
     assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
     assert got["plan"] == mem["plan"]
     search = {int(d): e for d, e in got["plan"]["rope_search"].items()}
-    assert sorted(search) == [8, 16, 24, 32] and all(len(e) == 2 and min(e) >= 0 for e in search.values())
+    assert sorted(search) == [8, 16, 24, 32] and all(len(e) == 3 and min(e) >= 0 for e in search.values())
     chosen = got["plan"]["rope_dim"]
     assert chosen == choose_rope_dim(search, 16)
     assert {r["qk_rope_head_dim"] for r in got["layers"]} == {chosen}
@@ -69,19 +84,26 @@ def test_the_measured_conversion_is_the_one_at_the_chosen_dim(tiny_sources, tmp_
     assert [r.get("fold_choice") for r in fixed["layers"]] == [r.get("fold_choice") for r in got["layers"]]
     assert "rope_dim: measured" in (tmp_path / "mem" / "recipe.yaml").read_text()  # the recipe reruns the search
     line = next(x for x in conversion_table(read_conversion(tmp_path / "mem")).splitlines() if "d_R measured" in x)
-    assert all(f"{d}: {e[0]:.4g} + {e[1]:.4g}" in line for d, e in search.items()), line
+    assert all(f"{d}: {e[0]:.4g} + {e[1]:.4g}, shuffled {e[2]:.4g}" in line for d, e in search.items()), line
 
 
-def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources, tmp_path):
+@pytest.mark.parametrize("phase", ["statistics", "convert"])
+def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources, tmp_path, phase):
+    """Stopped in the statistics pass, the resumed run carries the shuffled sequences on from the layer it stopped
+    at; stopped in the convert pass, it keeps the d_R chosen before."""
     source, opts = str(tiny_sources["llama_gqa"]), ConvertOptions(**MEASURED)
-    convert_streaming(source, tmp_path / "reference", opts)
+    reference = convert_streaming(source, tmp_path / "reference", opts)
     out = tmp_path / "out"
     with pytest.raises(Interrupt):
-        convert_streaming(source, out, opts, on_layer=stop_at("convert", 1))
+        convert_streaming(source, out, opts, on_layer=stop_at(phase, 1))
     state = json.loads((work_dir_for(out) / "state.json").read_text())
-    assert state["rope_dim"] in (8, 16, 24, 32)
+    assert state["stats_done"] == (1 if phase == "statistics" else 2)  # the tiny model has two layers
+    if phase == "convert":
+        assert state["rope_dim"] in (8, 16, 24, 32)
     report = convert_streaming(source, out, opts, StreamOptions(resume=True))
-    assert report["pipeline"]["resumed_from_layer"] == 1 and report["plan"]["rope_dim"] == state["rope_dim"]
+    assert report["plan"] == reference["plan"]
+    if phase == "convert":
+        assert report["pipeline"]["resumed_from_layer"] == 1 and report["plan"]["rope_dim"] == state["rope_dim"]
     assert_same_checkpoint(out, tmp_path / "reference")
 
 

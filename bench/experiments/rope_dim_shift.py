@@ -14,8 +14,14 @@ is measured, on the source stream, on --held sequences of each of these texts:
 - ``calib``: the refit's own cross-validated (held-out) error on the calibration sequences, as the rule sees it;
 - ``sampled``: text the source model samples itself from its BOS token (temperature 1, seeded), which no user
   text decides: the model's own distribution;
+- ``shuffled``, ``reversed`` and ``random``: text a streaming conversion can build without running the whole
+  model: the calibration sequences with their tokens permuted (seeded; ``--rope-dim measured`` checks its choice
+  on these, ``rope_choice.shuffled_sequences``) or in reverse order, and tokens drawn uniformly (seeded) from
+  those the calibration sequences hold, each sequence keeping its first token;
 - ``GPL-3`` and ``vim manual``: the quality benches' unseen texts. They are read here to test a proxy, never by
   a rule: a rule tuned on them would fit the test.
+
+``--kinds`` picks which of these to measure (``calib`` always).
 
 Printed: per layer and text, each candidate's error; then the sums.
 """
@@ -36,7 +42,10 @@ from fold_measured import held_ids, source_layers  # noqa: E402
 from quality_ablation import TEXTS  # noqa: E402
 from rope_dim_measured import add_arguments, refit_at, relative_error, setup  # noqa: E402
 
+from mlakit.convert.rope_choice import shuffled_sequences  # noqa: E402
 from mlakit.data import tokenize_text  # noqa: E402
+
+KINDS = ("sampled", "shuffled", "reversed", "random", "GPL-3", "vim manual")
 
 
 @torch.no_grad()
@@ -52,6 +61,19 @@ def sampled_ids(source, n: int, seq_len: int, seed: int) -> torch.Tensor:
     return out[:, :seq_len]
 
 
+def proxy_ids(calib: torch.Tensor, kind: str, seed: int = 0) -> torch.Tensor:
+    """CALIB (n, T) made unlike itself without a model (``shuffled``, ``reversed``, ``random``); the first token kept."""
+    if kind == "shuffled":  # what --rope-dim measured checks its choice on
+        return shuffled_sequences(calib, seed)
+    out = calib.clone()
+    if kind == "reversed":
+        out[:, 1:] = calib[:, 1:].flip(1)
+    else:
+        seen = calib.unique()
+        out[:, 1:] = seen[torch.randint(seen.numel(), calib[:, 1:].shape, generator=torch.Generator().manual_seed(seed))]
+    return out
+
+
 def text_ids(source, name: str, n: int, seq_len: int) -> torch.Tensor:
     ids = tokenize_text(source.tokenizer(), TEXTS[name]())
     k = min(n, ids.numel() // seq_len)
@@ -61,13 +83,19 @@ def text_ids(source, name: str, n: int, seq_len: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap, calib_samples=128)
+    ap.add_argument("--kinds", default=",".join(KINDS), help="comma-separated, of " + ", ".join(KINDS))
     args = ap.parse_args()
+    kinds = args.kinds.split(",")
+    if unknown := set(kinds) - set(KINDS):
+        ap.error(f"--kinds: unknown {sorted(unknown)}; choose from {KINDS}")
     start = time.time()
     st = setup(args)
     candidates, seq_len = st.candidates, args.calib_seq_len
-    texts = {"calib": held_ids(st.source, st.opts, args.held),
-             "sampled": sampled_ids(st.source, args.held, seq_len, seed=0),
-             **{name: text_ids(st.source, name, args.held, seq_len) for name in ("GPL-3", "vim manual")}}
+    calib = held_ids(st.source, st.opts, args.held)
+    made = {"sampled": lambda: sampled_ids(st.source, args.held, seq_len, seed=0),
+            **{k: (lambda k=k: proxy_ids(calib, k)) for k in ("shuffled", "reversed", "random")},
+            **{k: (lambda k=k: text_ids(st.source, k, args.held, seq_len)) for k in ("GPL-3", "vim manual")}}
+    texts = {"calib": calib} | {k: made[k]() for k in KINDS if k in kinds}
     spans, at = {}, 0
     for name, ids in texts.items():
         spans[name] = slice(at, at + ids.shape[0])

@@ -13,14 +13,20 @@ a value refit the closed form's error on each half is what counts.
 The choice (``choose_rope_dim``) is the candidate of least summed held-out error, but only when it beats
 the default share's d_R on both halves: a difference the two halves do not agree on is not one these
 sequences can tell from noise, and the default keeps it. The halves are of the calibration's kind of text,
-so the margin cannot see a d_R that fits that kind and costs another: on SmolLM2 at 68.75% both halves prefer
-more rotary dims than the default and unseen text is worse for it, which is why this is an option and not the
-default (docs/results.md, "The rotary share measured in the conversion").
+and that kind favours the candidate whose smaller latent fits it: on SmolLM2 at 68.75% both halves prefer more
+rotary dims than the default while every other text measured prefers the default, and unseen text is worse
+for the change (docs/results.md, "The rotary share measured in the conversion"). So the candidate must also
+beat the default on the same sequences with their tokens shuffled (``shuffled_sequences``): the calibration's
+words without its order, text unlike it that the conversion makes without running the model (the model's own
+samples rank the candidates as unseen text does too, but need the whole model, which a streaming conversion
+never holds). That check is measured, not assumed: docs/results.md, "A check on text unlike the calibration's".
 """
 
 from __future__ import annotations
 
-__all__ = ["MIN_LATENT", "choose_rope_dim", "rope_candidates"]
+import torch
+
+__all__ = ["MIN_LATENT", "choose_rope_dim", "rope_candidates", "shuffled_sequences"]
 
 # the narrowest latent a candidate may leave per layer: below it the latent cannot carry the values of even
 # one head of the usual widths, and no such split came near the best in the measurements
@@ -35,10 +41,20 @@ def rope_candidates(num_kv_heads: int, head_dim: int, per_layer_budget: int, ref
     return sorted({*grid, reference})
 
 
-def choose_rope_dim(held_out: dict[int, list[float]], reference: int) -> int:
-    """The candidate of HELD_OUT (d_R -> summed held-out error on each validation fold) whose total is least,
-    when it is lower than REFERENCE's on every fold; else REFERENCE. On equal totals the smaller d_R."""
-    best = min(held_out, key=lambda d: (sum(held_out[d]), d))
-    if all(b < r for b, r in zip(held_out[best], held_out[reference])):
+def shuffled_sequences(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """IDS (n, T) with each sequence's tokens after its first in an order drawn from SEED."""
+    generator = torch.Generator().manual_seed(seed)
+    out = ids.clone()
+    for row in out:
+        row[1:] = row[1:][torch.randperm(row.numel() - 1, generator=generator)]
+    return out
+
+
+def choose_rope_dim(search: dict[int, list[float]], reference: int) -> int:
+    """The candidate of SEARCH (d_R -> summed held-out error on each validation fold, then on the shuffled
+    sequences) whose held-out total is least, when it is lower than REFERENCE's on every fold and on the
+    shuffled sequences; else REFERENCE. On equal totals the smaller d_R."""
+    best = min(search, key=lambda d: (sum(search[d][:2]), d))
+    if all(b < r for b, r in zip(search[best], search[reference])):
         return best
     return reference

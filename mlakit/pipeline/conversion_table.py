@@ -55,10 +55,10 @@ def conversion_table(summary: dict) -> str:
         f"{summary['source_kv_values_per_token']} cached values per token ({share:.1%}), refine {summary['refine']}",
     ]
     if "rope_search" in summary:
-        lines.append("d_R measured: " + ", ".join(f"{d}: {' + '.join(f'{e:.4g}' for e in errors)}"
+        lines.append("d_R measured: " + ", ".join(f"{d}: {errors[0]:.4g} + {errors[1]:.4g}, shuffled {errors[2]:.4g}"
                                                   for d, errors in summary["rope_search"].items())
-                     + " (summed held-out attention error on each validation fold; the least wins where both "
-                       "folds show it beating the default share's)")
+                     + " (summed attention error held out on each validation fold, then on the shuffled sequences; "
+                       "the least held-out sum wins where it beats the default share's on both folds and shuffled)")
     head = f"{'layer':>5}{'r':>6}{'d_R':>5}"
     if folded:
         head += f"{'fold':>6}{'rope error':>12}"

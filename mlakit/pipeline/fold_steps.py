@@ -8,7 +8,9 @@ statistics pass of a two-pass plan), and its attention output is compared with t
 the same inputs. Each candidate d_R is then converted at its fold with the latent at the uniform rank the
 budget leaves, and measured as the layer will be converted: after the joint value refit where the
 conversion runs one, by the refit's error on each held-out validation fold; else the closed form's error
-on each of those halves.
+on each of those halves. Beside it, the converted layer's error on the same sequences with their tokens
+shuffled (``rope_choice.shuffled_sequences``), carried through the source layers in a stream of their own
+(``SHUFFLED`` slots) alongside the statistics pass.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import replace
 
 import torch
 
+from ..arch import names
 from ..convert.compress import (
     LayerPrep,
     Method,
@@ -30,15 +33,19 @@ from ..convert.fold_choice import FOLD_TOKENS, choose_fold, fold_candidates
 from ..convert.layer_metrics import LayerMetrics
 from ..convert.mla_layer import AttentionWeights
 from ..convert.rank_plan import error_curve
-from ..convert.refine import attention_output
+from ..convert.refine import attention_and_output, attention_output
 from ..convert.refine_values import ValueMoments, add_batch, refit_values, value_weights
 from ..convert.refit_moments import values_error
-from ..convert.rope_choice import choose_rope_dim
+from ..convert.rope_choice import choose_rope_dim, shuffled_sequences
+from ..io.work_dir import HiddenStore
 from .layer_runner import MLALayers
 
 __all__ = ["FoldSteps", "spilled_key", "spilled_prep"]
 
 log = logging.getLogger(__name__)
+
+# the hidden-state slots of the shuffled sequences' stream (``FoldSteps._shuffled_stream``), used in turn
+SHUFFLED = "shuffled"
 
 
 def spilled_key(rope_dim: int, name: str) -> str:
@@ -53,7 +60,7 @@ def spilled_prep(tensors: dict[str, torch.Tensor], rope_dim: int, device: str) -
 
 
 class FoldSteps:
-    """The per-layer measured choices of ``LayerDriver`` (it reads the driver's setup ``c``, ``store``,
+    """The per-layer measured choices of ``LayerDriver`` (it reads the driver's setup ``c``, ``work``, ``store``,
     ``n_calib``, ``src_layers`` and ``state``, and its ``_input_slot``)."""
 
     def _measures_fold(self, metrics: LayerMetrics | None, rope_dim: int) -> bool:
@@ -61,15 +68,39 @@ class FoldSteps:
         return (metrics is not None and m.rope == "scored" and m.fold == 0 and not m.stock_rope
                 and len(fold_candidates(c.shape.head_dim, rope_dim)) > 1)
 
+    def _measured_rows(self) -> int:
+        """The calibration sequences the measured choices read: the first ``FOLD_TOKENS`` tokens' worth."""
+        return min(self.n_calib, -(-FOLD_TOKENS // self.c.calib_ids.shape[1]))
+
     def _measured_stream(self, i: int, tensors: dict, base: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``FOLD_TOKENS`` tokens' inputs of layer I on the stream at BASE, and the source attention's
         output on them (TENSORS: the source layer's)."""
         c, bs = self.c, self.c.batch_size
-        rows = min(self.n_calib, -(-FOLD_TOKENS // c.calib_ids.shape[1]))
-        inputs = self.store.read(self._input_slot(i, base), 0, rows).to(c.device)
+        inputs = self.store.read(self._input_slot(i, base), 0, self._measured_rows()).to(c.device)
         source = self.src_layers.layer(i, tensors)
         return inputs, torch.cat([attention_output(source, self.src_layers.run, inputs[s : s + bs])
-                                  for s in range(0, rows, bs)])
+                                  for s in range(0, inputs.shape[0], bs)])
+
+    @torch.no_grad()
+    def _shuffled_stream(self, i: int, tensors: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer I's inputs on the shuffled measured sequences and the source attention's output on them; the
+        source layer's output goes on to layer I + 1's slot. Layer 0 embeds them first."""
+        c, bs, rows = self.c, self.c.batch_size, self._measured_rows()
+        store = HiddenStore(self.work.path, rows, c.calib_ids.shape[1], c.source.config.hidden_size,
+                            durable=self.work.durable)
+        slot = lambda k: f"{SHUFFLED}-{k % 2}"  # noqa: E731
+        if i == 0:
+            ids = shuffled_sequences(c.calib_ids[:rows], c.opts.seed)
+            with store.writer(slot(0)) as sink:
+                sink.write(torch.nn.functional.embedding(ids, c.source.tensor(names.EMBED)).float())
+        inputs = store.read(slot(i), 0, rows).to(c.device)
+        source, targets = self.src_layers.layer(i, tensors), []
+        with store.writer(slot(i + 1)) as sink:
+            for s in range(0, rows, bs):
+                attention, out = attention_and_output(source, self.src_layers.run, inputs[s : s + bs])
+                targets.append(attention)
+                sink.write(out)
+        return inputs, torch.cat(targets)
 
     def _converted(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics, method: Method,
                    rope_dim: int, rank: int, prep: LayerPrep | None = None):
@@ -92,19 +123,16 @@ class FoldSteps:
         rope_dim = c.rope_dim if rope_dim is None else rope_dim
         if not self._measures_fold(metrics, rope_dim):
             return c.method, None
-        inputs, targets = stream or self._measured_stream(i, tensors, base)
-        bs, ref = c.batch_size, float(targets.double().square().sum())
+        stream = stream or self._measured_stream(i, tensors, base)
         full = 2 * c.shape.num_kv_heads * c.shape.head_dim - rope_dim
 
         def error(fold: int) -> float:
-            block, run = self._converted(i, tensors, w, metrics, replace(c.method, fold=fold), rope_dim, full)
-            err = sum(float((attention_output(block, run, inputs[s : s + bs]) - targets[s : s + bs])
-                            .double().square().sum()) for s in range(0, inputs.shape[0], bs))
-            return err / ref if ref > 0 else err
+            converted = self._converted(i, tensors, w, metrics, replace(c.method, fold=fold), rope_dim, full)
+            return self._relative_error(*converted, stream)
 
         fold, errors = choose_fold(fold_candidates(c.shape.head_dim, rope_dim), error)
         record = {"fold": fold, "errors": {str(f): round(e, 6) for f, e in errors.items()},
-                  "sequences": inputs.shape[0]}
+                  "sequences": stream[0].shape[0]}
         return replace(c.method, fold=fold), record
 
     @torch.no_grad()
@@ -129,23 +157,34 @@ class FoldSteps:
     def _layer_choices(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics,
                        base: int) -> dict[str, torch.Tensor]:
         """The statistics pass's measured choices for layer I at each candidate d_R: the fold record and (when
-        d_R is measured) the held-out errors into the run state's ``measured``; returns the rotary plans and
-        error curves to spill (``spilled_key``)."""
+        d_R is measured) the held-out errors and the error on the shuffled sequences into the run state's
+        ``measured``; returns the rotary plans and error curves to spill (``spilled_key``)."""
         c, spill, found = self.c, {}, {}
         measured = len(c.rope_candidates) > 1
         stream = self._measured_stream(i, tensors, base) if measured else None
+        shuffled = self._shuffled_stream(i, tensors) if measured else None
         for d in c.rope_candidates:
             method, record = self._layer_method(i, tensors, w, metrics, base, d, stream)
             prep = prepare_layer(w, metrics, method, d)
-            held = None
+            found[str(d)] = {"fold": record}
             if measured:
-                rank = c.layout_at(d)[2][i]
-                held = self._held_out(*self._converted(i, tensors, w, metrics, method, d, rank, prep), stream)
-            found[str(d)] = {"fold": record, "held_out": held}
+                block, run = self._converted(i, tensors, w, metrics, method, d, c.layout_at(d)[2][i], prep)
+                found[str(d)]["held_out"] = self._held_out(block, run, stream)  # leaves BLOCK refitted
+                found[str(d)]["shuffled"] = self._relative_error(block, run, shuffled)
             error = error_curve(w, metrics, method, d, prep).cpu()
             spill |= {spilled_key(d, k): v for k, v in (prep_tensors(prep) | {"error": error}).items()}
         self.state.setdefault("measured", {})[str(i)] = found
         return spill
+
+    @torch.no_grad()
+    def _relative_error(self, block, run, stream) -> float:
+        """BLOCK's attention error on STREAM (inputs, the source attention's output), relative to its energy."""
+        inputs, targets = stream
+        bs = self.c.batch_size
+        err = sum(float((attention_output(block, run, inputs[s : s + bs]) - targets[s : s + bs])
+                        .double().square().sum()) for s in range(0, inputs.shape[0], bs))
+        ref = float(targets.double().square().sum())
+        return err / ref if ref > 0 else err
 
     def _settle_choices(self) -> None:
         """Once every layer is measured: a measured shared d_R (``rope_choice.choose_rope_dim``) into the run
@@ -157,10 +196,11 @@ class FoldSteps:
 
     def _choose_rope_dim(self) -> None:
         c, st = self.c, self.state
-        held = {d: [sum(st["measured"][str(i)][str(d)]["held_out"][k] for i in range(c.n)) for k in (0, 1)]
-                for d in c.rope_candidates}
-        st["rope_search"] = {str(d): [round(e, 6) for e in v] for d, v in held.items()}
-        st["rope_dim"] = choose_rope_dim(held, c.reference_rope)
+        per_layer = lambda d, i: st["measured"][str(i)][str(d)]  # noqa: E731
+        search = {d: [sum(per_layer(d, i)["held_out"][k] for i in range(c.n)) for k in (0, 1)]
+                  + [sum(per_layer(d, i)["shuffled"] for i in range(c.n))] for d in c.rope_candidates}
+        st["rope_search"] = {str(d): [round(e, 6) for e in v] for d, v in search.items()}
+        st["rope_dim"] = choose_rope_dim(search, c.reference_rope)
         c.use_rope_dim(st["rope_dim"], st["rope_search"])
-        log.info("--rope-dim measured: d_R %d (summed held-out error per candidate: %s)", c.rope_dim,
-                 ", ".join(f"{d}: {sum(v):.4f}" for d, v in held.items()))
+        log.info("--rope-dim measured: d_R %d (summed held-out error per candidate, then on the shuffled "
+                 "sequences: %s)", c.rope_dim, ", ".join(f"{d}: {sum(v[:2]):.4f}, {v[2]:.4f}" for d, v in search.items()))

@@ -49,10 +49,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 8  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+STATE_VERSION = 9  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
 # 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
 # 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change);
-# 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate)
+# 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate);
+# 9: --rope-dim measured also measures each candidate on the shuffled sequences
 
 
 @dataclass
@@ -230,7 +231,8 @@ class ConversionSetup:
 
     def use_rope_dim(self, rope_dim: int, search: dict) -> None:
         """Convert with ROPE_DIM, the candidate the statistics pass chose (``--rope-dim measured``) by the
-        summed held-out errors SEARCH (d_R -> error per validation fold), which the report keeps."""
+        summed errors SEARCH (d_R -> held-out error per validation fold, then on the shuffled sequences), which
+        the report keeps."""
         if rope_dim not in self.rope_candidates:
             raise ConversionError(f"d_R {rope_dim} was not measured (candidates {self.rope_candidates}); "
                                   f"the work directory does not match this conversion: start it afresh")
