@@ -72,19 +72,18 @@ class FoldSteps:
         """The calibration sequences the measured choices read: the first ``FOLD_TOKENS`` tokens' worth."""
         return min(self.n_calib, -(-FOLD_TOKENS // self.c.calib_ids.shape[1]))
 
-    def _measured_stream(self, i: int, tensors: dict, base: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``FOLD_TOKENS`` tokens' inputs of layer I on the stream at BASE, and the source attention's
-        output on them (TENSORS: the source layer's)."""
+    def _measured_stream(self, i: int, source, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``FOLD_TOKENS`` tokens' inputs of layer I on the stream at BASE, and the attention output of
+        SOURCE (source layer I, built) on them."""
         c, bs = self.c, self.c.batch_size
         inputs = self.store.read(self._input_slot(i, base), 0, self._measured_rows()).to(c.device)
-        source = self.src_layers.layer(i, tensors)
         return inputs, torch.cat([attention_output(source, self.src_layers.run, inputs[s : s + bs])
                                   for s in range(0, inputs.shape[0], bs)])
 
     @torch.no_grad()
-    def _shuffled_stream(self, i: int, tensors: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer I's inputs on the shuffled measured sequences and the source attention's output on them; the
-        source layer's output goes on to layer I + 1's slot. Layer 0 embeds them first."""
+    def _shuffled_stream(self, i: int, source) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer I's inputs on the shuffled measured sequences and the attention output of SOURCE (source layer I,
+        built) on them; the source layer's output goes on to layer I + 1's slot. Layer 0 embeds them first."""
         c, bs, rows = self.c, self.c.batch_size, self._measured_rows()
         store = HiddenStore(self.work.path, rows, c.calib_ids.shape[1], c.source.config.hidden_size,
                             durable=self.work.durable)
@@ -94,7 +93,7 @@ class FoldSteps:
             with store.writer(slot(0)) as sink:
                 sink.write(torch.nn.functional.embedding(ids, c.source.tensor(names.EMBED)).float())
         inputs = store.read(slot(i), 0, rows).to(c.device)
-        source, targets = self.src_layers.layer(i, tensors), []
+        targets = []
         with store.writer(slot(i + 1)) as sink:
             for s in range(0, rows, bs):
                 attention, out = attention_and_output(source, self.src_layers.run, inputs[s : s + bs])
@@ -123,7 +122,7 @@ class FoldSteps:
         rope_dim = c.rope_dim if rope_dim is None else rope_dim
         if not self._measures_fold(metrics, rope_dim):
             return c.method, None
-        stream = stream or self._measured_stream(i, tensors, base)
+        stream = stream or self._measured_stream(i, self.src_layers.layer(i, tensors), base)
         full = 2 * c.shape.num_kv_heads * c.shape.head_dim - rope_dim
 
         def error(fold: int) -> float:
@@ -161,8 +160,11 @@ class FoldSteps:
         ``measured``; returns the rotary plans and error curves to spill (``spilled_key``)."""
         c, spill, found = self.c, {}, {}
         measured = len(c.rope_candidates) > 1
-        stream = self._measured_stream(i, tensors, base) if measured else None
-        shuffled = self._shuffled_stream(i, tensors) if measured else None
+        stream = shuffled = None
+        if measured:  # one build of the source layer for both streams
+            source = self.src_layers.layer(i, tensors)
+            stream, shuffled = self._measured_stream(i, source, base), self._shuffled_stream(i, source)
+            del source
         for d in c.rope_candidates:
             method, record = self._layer_method(i, tensors, w, metrics, base, d, stream)
             prep = prepare_layer(w, metrics, method, d)
