@@ -13,6 +13,7 @@ run's phase times come from the conversion's own ``conversion.json``. Writes ben
 
     python bench/convert_cost.py                       # 3 runs of the main job
     python bench/convert_cost.py --runs 1 --no-write-results
+    python bench/convert_cost.py --runs 1 --flags="--rope-dim measured" --name convert_cost_measured
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-write-results", action="store_true")
     ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timings around each run")
+    ap.add_argument("--flags", default="", help="more mla-convert flags, e.g. '--rope-dim measured' (none that changes the calibration: "
+                    "the bare forward reads the recipe's)")
     ap.add_argument("--name", default="convert_cost", help="results file name (bench/results/NAME.{md,json})")
     args = ap.parse_args()
     runs = []
@@ -105,7 +109,7 @@ def main() -> None:
             before = None if args.no_forward_floor else forward_floor_s(args.src, args.recipe)
             out = Path(tmp) / f"run{i}"
             cmd = [sys.executable, "-c", "from mlakit.cli import main; main()", "convert", args.src, str(out),
-                   "--recipe", args.recipe, "-q"]
+                   "--recipe", args.recipe, *shlex.split(args.flags), "-q"]
             res = run_measured(cmd, Path(tmp) / f"run{i}.log")
             report = json.loads((out / "conversion.json").read_text())
             config = json.loads((out / "config.json").read_text())
@@ -126,7 +130,7 @@ def main() -> None:
                 run["x_bare_forward"] = round(run["wall_s"] / run["forward_floor_s"], 2)
             print(json.dumps(runs[-1]), flush=True)
     result = {
-        "command": f"mla-convert convert {args.src} OUT --recipe {args.recipe} -q",
+        "command": " ".join(["mla-convert convert", args.src, "OUT --recipe", args.recipe, *shlex.split(args.flags), "-q"]),
         "machine": {"platform": platform.platform(), "cpu": cpu_name() or platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()},
         "goals": GOALS,
         "runs": runs,

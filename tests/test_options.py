@@ -309,3 +309,16 @@ def test_a_budget_with_a_fixed_rope_dim_is_saved_in_the_recipe(tiny_sources, tmp
     )
     assert (settings["kv_budget"], settings["kv_lora_rank"], settings["rope_dim"]) == (0.5, "full", 8)
     assert (saved.kv_budget, saved.kv_lora_rank, saved.rope_dim) == (0.5, "full", 8)
+
+
+def test_measured_rope_dim_chooses_within_a_recipes_budget(tiny_sources, tmp_path):
+    """``--rope-dim measured`` needs a budget and is no shape of its own: a recipe's budget stays (a number given
+    as --rope-dim is a shape, and replaces it: the test above)."""
+    recipe = _recipe(tmp_path, "kv_budget: 0.5\nallocation: planned\ncalib: random\ncalib_samples: 4\n"
+                               "calib_seq_len: 8\ndtype: float32\n")  # fmt: skip
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["convert", str(tiny_sources["llama_gqa"]), str(out), *map(str, recipe),
+                                      "--rope-dim", "measured", "--no-verify", "-q"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    settings = json.loads((out / "conversion.json").read_text())["settings"]
+    assert (settings["kv_budget"], settings["rope_dim"]) == (0.5, "measured")

@@ -64,8 +64,10 @@ def convert_command(
     except RecipeError as exc:
         raise click.BadParameter(str(exc), param_hint="--recipe") from exc
     overrides = given_options({k: v for k, v in flags.items() if k in RECIPE_FIELDS})
-    if ("kv_lora_rank" in overrides or "rope_dim" in overrides) and "kv_budget" not in overrides:
-        overrides["kv_budget"] = None  # explicit shapes replace a recipe's budget
+    # explicit shapes replace a recipe's budget; --rope-dim measured chooses within it, so keeps it
+    fixed_rope = overrides.get("rope_dim", "measured") != "measured"
+    if ("kv_lora_rank" in overrides or fixed_rope) and "kv_budget" not in overrides:
+        overrides["kv_budget"] = None
     if "kv_budget" in overrides and "kv_lora_rank" not in overrides:
         # and an explicit budget a recipe's rank (a given --rope-dim stays)
         overrides["kv_lora_rank"] = "full"
