@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--no-write-results", action="store_true")
     ap.add_argument("--no-forward-floor", action="store_true", help="skip the bare-forward timings around each run")
-    ap.add_argument("--flags", default="", help="more mla-convert flags, e.g. '--rope-dim measured' (none that changes the calibration: "
-                    "the bare forward reads the recipe's)")
+    ap.add_argument("--flags", default="", help="more mla-convert flags, e.g. '--rope-dim measured' "
+                    "(none that changes the calibration: the bare forward reads the recipe's)")
     ap.add_argument("--name", default="convert_cost", help="results file name (bench/results/NAME.{md,json})")
     args = ap.parse_args()
     runs = []
@@ -130,7 +130,8 @@ def main() -> None:
                 run["x_bare_forward"] = round(run["wall_s"] / run["forward_floor_s"], 2)
             print(json.dumps(runs[-1]), flush=True)
     result = {
-        "command": " ".join(["mla-convert convert", args.src, "OUT --recipe", args.recipe, *shlex.split(args.flags), "-q"]),
+        "command": " ".join(["mla-convert convert", args.src, "OUT --recipe", args.recipe, *shlex.split(args.flags),
+                             "-q"]),
         "machine": {"platform": platform.platform(), "cpu": cpu_name() or platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()},
         "goals": GOALS,
         "runs": runs,
