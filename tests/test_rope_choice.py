@@ -51,7 +51,8 @@ def test_the_least_error_wins_only_where_both_folds_and_the_shuffled_sequences_a
     assert choose_rope_dim({16: [0.30, 0.32, 0.5], 32: [0.20, 0.33, 0.4]}, 16) == 16
     # both folds agree, but on the shuffled sequences the default is better: no change
     assert choose_rope_dim({16: [0.30, 0.32, 0.5], 32: [0.20, 0.25, 0.51]}, 16) == 16
-    assert choose_rope_dim({16: [0.30, 0.32, 0.5], 24: [0.30, 0.32, 0.4]}, 24) == 24  # equal: no gain shown on either fold
+    # equal: no gain shown on either fold
+    assert choose_rope_dim({16: [0.30, 0.32, 0.5], 24: [0.30, 0.32, 0.4]}, 24) == 24
     # equal totals: the smaller d_R; the shuffled error does not rank, it only vetoes
     assert choose_rope_dim({8: [0.1, 0.1, 0.3], 16: [0.1, 0.1, 0.2], 24: [0.2, 0.2, 0.4]}, 24) == 8
 

@@ -62,7 +62,8 @@ def sampled_ids(source, n: int, seq_len: int, seed: int) -> torch.Tensor:
 
 
 def proxy_ids(calib: torch.Tensor, kind: str, seed: int = 0) -> torch.Tensor:
-    """CALIB (n, T) made unlike itself without a model (``shuffled``, ``reversed``, ``random``); the first token kept."""
+    """CALIB (n, T) made unlike itself without a model (``shuffled``, ``reversed``, ``random``); the first token
+    kept."""
     if kind == "shuffled":  # what --rope-dim measured checks its choice on
         return shuffled_sequences(calib, seed)
     out = calib.clone()
@@ -70,7 +71,8 @@ def proxy_ids(calib: torch.Tensor, kind: str, seed: int = 0) -> torch.Tensor:
         out[:, 1:] = calib[:, 1:].flip(1)
     else:
         seen = calib.unique()
-        out[:, 1:] = seen[torch.randint(seen.numel(), calib[:, 1:].shape, generator=torch.Generator().manual_seed(seed))]
+        generator = torch.Generator().manual_seed(seed)
+        out[:, 1:] = seen[torch.randint(seen.numel(), calib[:, 1:].shape, generator=generator)]
     return out
 
 

@@ -65,7 +65,7 @@ def convert_command(
         raise click.BadParameter(str(exc), param_hint="--recipe") from exc
     overrides = given_options({k: v for k, v in flags.items() if k in RECIPE_FIELDS})
     # explicit shapes replace a recipe's budget; --rope-dim measured chooses within it, so keeps it
-    fixed_rope = overrides.get("rope_dim", "measured") != "measured"
+    fixed_rope = "rope_dim" in overrides and overrides["rope_dim"] != "measured"
     if ("kv_lora_rank" in overrides or fixed_rope) and "kv_budget" not in overrides:
         overrides["kv_budget"] = None
     if "kv_budget" in overrides and "kv_lora_rank" not in overrides:

@@ -204,5 +204,6 @@ class FoldSteps:
         st["rope_search"] = {str(d): [round(e, 6) for e in v] for d, v in search.items()}
         st["rope_dim"] = choose_rope_dim(search, c.reference_rope)
         c.use_rope_dim(st["rope_dim"], st["rope_search"])
+        sums = ", ".join(f"{d}: {sum(v[:2]):.4f}, {v[2]:.4f}" for d, v in search.items())
         log.info("--rope-dim measured: d_R %d (summed held-out error per candidate, then on the shuffled "
-                 "sequences: %s)", c.rope_dim, ", ".join(f"{d}: {sum(v[:2]):.4f}, {v[2]:.4f}" for d, v in search.items()))
+                 "sequences: %s)", c.rope_dim, sums)
