@@ -77,6 +77,9 @@ ROWS = {
     # the default with the shared d_R measured in the statistics pass instead of the default share (rope_choice)
     "+ value refit, measured rotary dims (--refine values --rope-dim measured)": (
         {"refine": "values", "rope_dim": "measured"}, False),
+    # each layer's d_R measured by the same rule on that layer's own errors (rope_choice)
+    "+ value refit, rotary dims measured per layer (--refine values --rope-dim measured-per-layer)": (
+        {"refine": "values", "rope_dim": "measured-per-layer"}, False),
 }
 BASE_ROW = "closed form only (--refine none)"
 TEXTS = {
@@ -192,8 +195,8 @@ def main():
                 sums = window_sums(MLAForCausalLM.from_pretrained(Path(tmp) / "mla", torch_dtype=torch.float32))
             row = {"budget": budget, "row": name, "convert_seconds": round(seconds, 1),
                    "ranks": [lay["kv_lora_rank"] for lay in report["layers"]],
-                   "rope_dim": report["layers"][0]["qk_rope_head_dim"],
-                   **({"rope_search": report["plan"]["rope_search"]} if "rope_search" in report["plan"] else {}),
+                   "rope_dim": report["plan"].get("rope_dim", report["layers"][0]["qk_rope_head_dim"]),
+                   **{k: report["plan"][k] for k in ("rope_search", "rope_layer_search") if k in report["plan"]},
                    "folds": [lay.get("fold_choice", {}).get("fold") for lay in report["layers"]], "texts": {}}
             for k, s in sums.items():
                 ppl = texts[k].ratio(s)

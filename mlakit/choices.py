@@ -9,6 +9,7 @@ __all__ = [
     "DTYPE_NAMES",
     "HEAL_TRAIN_CHOICES",
     "LOWRANK_METHODS",
+    "MEASURED_ROPE_DIMS",
     "MIN_CALIB_SEQ_LEN",
     "MIXINGS",
     "ROPE_METHODS",
@@ -22,6 +23,8 @@ __all__ = [
 
 DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # keys of pipeline.DTYPES
 ALLOCATIONS = ("auto", "uniform", "planned", "fisher")  # rank_plan's ways of spreading a --kv-budget
+# --rope-dim values chosen in the statistics pass (convert.rope_choice): one shared d_R, or one per layer
+MEASURED_ROPE_DIMS = ("measured", "measured-per-layer")
 ROPE_METHODS = ("scored", "transmla", "high", "uniform", "norm")  # rope_select's ways of picking rotary dims
 LOWRANK_METHODS = ("rrr", "bkv_pca", "svd")  # low_rank's latent factorisations (--lowrank-method adds auto)
 MIXINGS = ("pca", "none")  # rotary mixing within a FreqFold group (rope_select)

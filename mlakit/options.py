@@ -23,6 +23,7 @@ from .choices import (
     ALLOCATIONS,
     DTYPE_NAMES,
     LOWRANK_METHODS,
+    MEASURED_ROPE_DIMS,
     MIN_CALIB_SEQ_LEN,
     MIXINGS,
     REFINE_FIXED_INPUTS,
@@ -52,7 +53,7 @@ _NO_FLAG = {"recipe": False, "flag": None}  # quiet comes from the shared -q/--q
 
 
 Rank = Annotated[int, Field(ge=1)] | Literal["full"]
-RopeDim = Annotated[int, Field(ge=0)] | Literal["full", "measured"]
+RopeDim = Annotated[int, Field(ge=0)] | Literal[("full", *MEASURED_ROPE_DIMS)]
 
 
 @dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -69,8 +70,9 @@ class ConvertOptions:
         Field(
             description="Shared rotary key dims d_R (even), or 'full'. With --kv-budget, 'full' leaves d_R to the "
             "default share of the budget, and 'measured' chooses it from the calibration data: the d_R whose "
-            "converted layers come nearest the source attention on held-out sequences (a two-pass allocation).",
-            json_schema_extra={"accepts": "must be 'full', 'measured' or an even integer >= 0"},
+            "converted layers come nearest the source attention on held-out sequences (a two-pass allocation); "
+            "'measured-per-layer' chooses each layer's d_R the same way from that layer's errors alone.",
+            json_schema_extra={"accepts": "must be 'full', 'measured', 'measured-per-layer' or an even integer >= 0"},
         ),
     ] = "full"
     kv_budget: Annotated[
@@ -240,9 +242,9 @@ class ConvertOptions:
 
     @model_validator(mode="after")
     def _cross_field_rules(self):
-        if self.rope_dim == "measured" and (self.kv_budget is None or self.stock_rope):
+        if self.rope_dim in MEASURED_ROPE_DIMS and (self.kv_budget is None or self.stock_rope):
             raise ValueError(
-                "--rope-dim measured chooses the rotary dims within a --kv-budget, among any even d_R; "
+                f"--rope-dim {self.rope_dim} chooses the rotary dims within a --kv-budget, among any even d_R; "
                 + ("give --kv-budget as well" if self.kv_budget is None else
                    "--stock-rope allows only a few: give --rope-dim as a number or drop --stock-rope")
             )

@@ -1,5 +1,5 @@
 """--rope-dim measured: the shared d_R chosen in the statistics pass from each candidate's held-out error, checked on
-the shuffled sequences."""
+the shuffled sequences; --rope-dim measured-per-layer: each layer's d_R by the same rule on that layer's errors."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
+from mlakit.convert.rank_plan import equal_share_ranks, uniform_ranks
 from mlakit.convert.rope_choice import MIN_LATENT, choose_rope_dim, rope_candidates, shuffled_sequences
 from mlakit.io.work_dir import work_dir_for
+from mlakit.mla_model import MLAForCausalLM
 from mlakit.options import OptionsError
 from mlakit.pipeline.api import ConversionError, ConvertOptions, StreamOptions, convert, convert_streaming
 from mlakit.pipeline.conversion_table import conversion_table, read_conversion
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 # validation fold: enough tokens for the value refit to run at every candidate
 MEASURED = dict(kv_budget=0.75, allocation="fisher", rope_dim="measured", calib="random", calib_samples=16,
                 calib_seq_len=32, dtype="float32", quiet=True)
+PER_LAYER = MEASURED | {"rope_dim": "measured-per-layer"}
 
 
 def test_candidates_run_from_half_to_twice_the_default_and_leave_a_latent():
@@ -88,11 +91,65 @@ def test_the_measured_conversion_is_the_one_at_the_chosen_dim(tiny_sources, tmp_
     assert all(f"{d}: {e[0]:.4g} + {e[1]:.4g}, shuffled {e[2]:.4g}" in line for d, e in search.items()), line
 
 
+def test_each_layer_s_measured_dim_is_the_rule_s_choice_on_that_layer_s_errors(tiny_sources, tmp_path):
+    """The same measurements as the shared choice, the rule applied to each layer's own; in memory and streaming
+    alike, within the budget, and the conversion table says how each d_R was chosen."""
+    source = str(tiny_sources["llama_gqa"])
+    mem = convert(source, tmp_path / "mem", ConvertOptions(**PER_LAYER))
+    got = convert_streaming(source, tmp_path / "stream", ConvertOptions(**PER_LAYER))
+    assert_same_bytes(tmp_path / "stream", tmp_path / "mem")
+    assert got["plan"] == mem["plan"]
+    layers = [{int(d): e for d, e in found.items()} for found in got["plan"]["rope_layer_search"]]
+    assert len(layers) == 2 and all(sorted(found) == [8, 16, 24, 32] for found in layers)
+    chosen = [choose_rope_dim(found, 16) for found in layers]
+    assert got["plan"]["rope_dim"] == chosen == [r["qk_rope_head_dim"] for r in got["layers"]]
+    shared = convert_streaming(source, tmp_path / "shared", ConvertOptions(**MEASURED))
+    assert shared["plan"]["rope_search"] == got["plan"]["rope_search"]  # the layers' errors summed
+    for d, summed in got["plan"]["rope_search"].items():
+        assert [sum(found[int(d)][k] for found in layers) for k in range(3)] == pytest.approx(summed, abs=1e-5)
+    cached = [r["kv_lora_rank"] + r["qk_rope_head_dim"] for r in got["layers"]]
+    assert sum(cached) <= got["plan"]["budget_values_per_token"]
+    assert "rope_dim: measured-per-layer" in (tmp_path / "mem" / "recipe.yaml").read_text()
+    table = conversion_table(read_conversion(tmp_path / "mem"))
+    assert "each layer's d_R is its own least held-out error" in table, table
+
+
+def test_layers_at_different_measured_dims_convert_load_and_keep_the_budget(tiny_sources, tmp_path, monkeypatch):
+    """Whatever d_R the rule gives each layer (here forced apart), every layer keeps the same share of the budget
+    before the fisher plan moves ranks, the checkpoint holds each layer's shape, and it loads and runs."""
+    import mlakit.pipeline.fold_steps as fold_steps
+
+    forced = iter([8, 32])
+    monkeypatch.setattr(fold_steps, "choose_rope_dim", lambda found, reference: next(forced))
+    out = tmp_path / "out"
+    report = convert_streaming(str(tiny_sources["llama_gqa"]), out, ConvertOptions(**PER_LAYER))
+    assert report["plan"]["rope_dim"] == [8, 32] == [r["qk_rope_head_dim"] for r in report["layers"]]
+    budget = report["plan"]["budget_values_per_token"]
+    assert sum(r["kv_lora_rank"] + r["qk_rope_head_dim"] for r in report["layers"]) <= budget
+    # each layer's folds measured at its own d_R: head_dim 16 folds 1 or 2 at d_R 8, none to choose at every dim
+    assert [sorted(map(int, r["fold_choice"]["errors"])) if "fold_choice" in r else None
+            for r in report["layers"]] == [[1, 2], None]
+    config = json.loads((out / "config.json").read_text())
+    assert config["qk_rope_head_dim"] == [8, 32]
+    assert config["kv_lora_rank"] == [r["kv_lora_rank"] for r in report["layers"]]
+    model = MLAForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    logits = model(torch.randint(0, model.config.vocab_size, (1, 12))).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_equal_share_ranks_give_every_layer_the_same_cache_and_match_uniform_at_one_dim():
+    assert equal_share_ranks(2, 16, 96, [8, 32]) == [40, 16]  # 48 values per layer
+    assert equal_share_ranks(2, 16, 200, [8, 32]) == [56, 32]  # capped at full rank, 2 G d - d_R
+    for d in (8, 16, 24):
+        assert equal_share_ranks(3, 64, 30 * 120, [d] * 30) == uniform_ranks(30, 3, 64, d, 30 * 120 - 30 * d)
+
+
 @pytest.mark.parametrize("phase", ["statistics", "convert"])
-def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources, tmp_path, phase):
+@pytest.mark.parametrize("mode", ["measured", "measured-per-layer"])
+def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources, tmp_path, phase, mode):
     """Stopped in the statistics pass, the resumed run carries the shuffled sequences on from the layer it stopped
     at; stopped in the convert pass, it keeps the d_R chosen before."""
-    source, opts = str(tiny_sources["llama_gqa"]), ConvertOptions(**MEASURED)
+    source, opts = str(tiny_sources["llama_gqa"]), ConvertOptions(**(MEASURED | {"rope_dim": mode}))
     reference = convert_streaming(source, tmp_path / "reference", opts)
     out = tmp_path / "out"
     with pytest.raises(Interrupt):
@@ -100,17 +157,19 @@ def test_an_interrupted_measured_conversion_resumes_at_the_same_dim(tiny_sources
     state = json.loads((work_dir_for(out) / "state.json").read_text())
     assert state["stats_done"] == (1 if phase == "statistics" else 2)  # the tiny model has two layers
     if phase == "convert":
-        assert state["rope_dim"] in (8, 16, 24, 32)
+        assert len(state["rope_dims"]) == 2 and set(state["rope_dims"]) <= {8, 16, 24, 32}
     report = convert_streaming(source, out, opts, StreamOptions(resume=True))
     assert report["plan"] == reference["plan"]
     if phase == "convert":
-        assert report["pipeline"]["resumed_from_layer"] == 1 and report["plan"]["rope_dim"] == state["rope_dim"]
+        assert report["pipeline"]["resumed_from_layer"] == 1
+        assert [r["qk_rope_head_dim"] for r in report["layers"]] == state["rope_dims"]
     assert_same_checkpoint(out, tmp_path / "reference")
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"rope_dim": "measured"}, "give --kv-budget as well"),
     ({"rope_dim": "measured", "kv_budget": 0.5, "stock_rope": True}, "give --rope-dim as a number"),
+    ({"rope_dim": "measured-per-layer"}, "measured-per-layer chooses .* give --kv-budget as well"),
 ])
 def test_a_measured_dim_outside_a_budget_is_refused(fields, message):
     with pytest.raises(OptionsError, match=message):

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import click
 
+from ..choices import MEASURED_ROPE_DIMS
 from ..options import RECIPE_FIELDS
 from .common import byte_size_type, user_errors, verbosity_options
 from .export_cmd import export_flags
@@ -64,8 +65,8 @@ def convert_command(
     except RecipeError as exc:
         raise click.BadParameter(str(exc), param_hint="--recipe") from exc
     overrides = given_options({k: v for k, v in flags.items() if k in RECIPE_FIELDS})
-    # explicit shapes replace a recipe's budget; --rope-dim measured chooses within it, so keeps it
-    fixed_rope = "rope_dim" in overrides and overrides["rope_dim"] != "measured"
+    # explicit shapes replace a recipe's budget; a measured --rope-dim chooses within it, so keeps it
+    fixed_rope = "rope_dim" in overrides and overrides["rope_dim"] not in MEASURED_ROPE_DIMS
     if ("kv_lora_rank" in overrides or fixed_rope) and "kv_budget" not in overrides:
         overrides["kv_budget"] = None
     if "kv_budget" in overrides and "kv_lora_rank" not in overrides:

@@ -1,4 +1,5 @@
-"""Allocate the KV-cache budget across layers: one shared rope dim d_R, a latent rank r per layer.
+"""Allocate the KV-cache budget across layers: one shared rope dim d_R, a latent rank r per layer (a d_R per
+layer where ``--rope-dim measured-per-layer`` measured one: ``rope_choice``).
 
 Every layer gets an error curve: the predicted output error of its RoPE split plus the tail of
 its reduced-rank spectrum at each r (``layer_metrics`` units). Layers are not comparable in
@@ -47,7 +48,7 @@ from .rope_select import rope_error
 
 __all__ = [
     "ALLOCATIONS", "FISHER_STEP", "ROPE_SHARE", "allocate_ranks", "budget_layout", "budget_rope_dim", "damped_ranks",
-    "error_curve", "kl_curve", "log_curve", "log_error_curve", "plan_budget", "plan_ranks", "ranks_from_curves", "spend_leftovers", "uniform_ranks",
+    "equal_share_ranks", "error_curve", "kl_curve", "log_curve", "log_error_curve", "plan_budget", "plan_ranks", "ranks_from_curves", "spend_leftovers", "uniform_ranks",
 ]
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,12 @@ def budget_layout(n_layers: int, num_kv_heads: int, head_dim: int, budget: int,
 def uniform_ranks(n_layers: int, num_kv_heads: int, head_dim: int, d_r: int, rank_budget: int) -> list[int]:
     """The same latent rank in every layer, capped at full rank."""
     return [min(2 * num_kv_heads * head_dim - d_r, rank_budget // n_layers)] * n_layers
+
+
+def equal_share_ranks(num_kv_heads: int, head_dim: int, budget: int, rope_dims: list[int]) -> list[int]:
+    """The ranks that give every layer the same share of BUDGET values per token (r + d_R = BUDGET // layers)
+    where each layer has its own d_R in ROPE_DIMS, capped at full rank: ``uniform_ranks`` when they are equal."""
+    return [min(2 * num_kv_heads * head_dim - d, budget // len(rope_dims) - d) for d in rope_dims]
 
 
 FISHER_STEP = 0.5  # how far the fisher allocation moves from uniform ranks toward the KL-optimal ones

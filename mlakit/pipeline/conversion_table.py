@@ -35,7 +35,8 @@ def read_conversion(path: str | Path) -> dict:
             row |= {"loss_before": refine["loss_before"], "loss_after": refine["loss_after"], "kept": refine["kept"]}
         layers.append(row)
     search = report.get("plan", {}).get("rope_search")
-    return ({"rope_search": search} if search else {}) | {
+    per_layer = report["settings"].get("rope_dim") == "measured-per-layer"
+    return ({"rope_search": search, "rope_per_layer": per_layer} if search else {}) | {
         "converted": str(path),
         "source": report["source"],
         "refine": report["settings"].get("refine", "none"),
@@ -57,8 +58,11 @@ def conversion_table(summary: dict) -> str:
     if "rope_search" in summary:
         lines.append("d_R measured: " + ", ".join(f"{d}: {errors[0]:.4g} + {errors[1]:.4g}, shuffled {errors[2]:.4g}"
                                                   for d, errors in summary["rope_search"].items())
-                     + " (summed attention error held out on each validation fold, then on the shuffled sequences; "
-                       "the least held-out sum wins where it beats the default share's on both folds and shuffled)")
+                     + " (summed over the layers: attention error held out on each validation fold, then on the "
+                       "shuffled sequences; "
+                     + ("each layer's d_R is its own least held-out error where that beats the default share's on "
+                        "both folds and shuffled)" if summary.get("rope_per_layer") else
+                        "the least held-out sum wins where it beats the default share's on both folds and shuffled)"))
     head = f"{'layer':>5}{'r':>6}{'d_R':>5}"
     if folded:
         head += f"{'fold':>6}{'rope error':>12}"

@@ -135,8 +135,8 @@ class LayerDriver(RefineSteps, FoldSteps):
                                    and self._disk_allows(self.target_store.nbytes(self.stream_rows)))
         self.verify = setup.opts.verify
         self.latents = None  # (block, store) of the layer's converted-stream value refit, for ``_propagate``
-        if "rope_dim" in state:  # measured by the run this one resumes
-            setup.use_rope_dim(state["rope_dim"], state["rope_search"])
+        if "rope_dims" in state:  # measured by the run this one resumes
+            setup.use_rope_dims(state["rope_dims"], state["rope_report"])
         if state.get("started"):
             streams = work.load_tensors("verify.pt") if self.verify else {}
             self.verify_src, self.verify_mla = streams.get("source"), streams.get("mla")
@@ -328,7 +328,7 @@ class LayerDriver(RefineSteps, FoldSteps):
         """Planned and fisher allocation: the measured choices, then the ranks from the spilled error curves."""
         c, st = self.c, self.state
         self._settle_choices()
-        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")[spilled_key(c.rope_dim, "error")] for i in range(c.n)]
+        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")[spilled_key(d, "error")] for i, d in enumerate(c.rope_dims)]
         try:
             st["ranks"] = ranks_from_curves(errors, st.get("sensitivity", [None] * c.n), c.opts.allocation,
                                             c.uniform, c.rank_budget)
@@ -338,7 +338,7 @@ class LayerDriver(RefineSteps, FoldSteps):
 
     def _spilled(self, i: int) -> Spilled:
         t = self.work.load_tensors(f"stats-{i:05d}.pt")
-        return Spilled(metrics_from_tensors(t, self.c.device), spilled_prep(t, self.c.rope_dim, self.c.device))
+        return Spilled(metrics_from_tensors(t, self.c.device), spilled_prep(t, self.c.rope_dims[i], self.c.device))
 
     def _on_device(self):
         """The default device of the per-layer math (a no-op on the CPU)."""
@@ -411,7 +411,7 @@ class LayerDriver(RefineSteps, FoldSteps):
                 method, fold = self._layer_method(i, tensors, w, metrics, CONVERTED if self.sequential else SOURCE)
             else:
                 metrics, method, fold = spilled.metrics, c.method, self.state.get("folds", {}).get(str(i))
-            mla = compress_layer(w, metrics, method, c.rope_dim, rank, spilled.prep)
+            mla = compress_layer(w, metrics, method, c.rope_dims[i], rank, spilled.prep)
         del w, stats, spilled, metrics  # the float64 statistics are done with before the layer is written
         out = mla_layer_tensors(i, mla, c.dtype, q_bias=c.shape.qkv_bias, kv_a_bias=c.shape.qkv_bias)
         out.update({m: tensors[m].to(c.dtype) for m in self.per_layer[i] if m not in out})

@@ -114,12 +114,12 @@ class FoldSteps:
     @torch.no_grad()
     def _layer_method(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics | None,
                       base: int, rope_dim: int | None = None, stream=None) -> tuple[Method, dict | None]:
-        """The method layer I is converted with at ROPE_DIM (default: the setup's), and the record of its fold
+        """The method layer I is converted with at ROPE_DIM (default: the layer's in the setup), and the record of its fold
         choice (None when none was measured: data-free, a fold or rope method asked for, or a single
         candidate). TENSORS: the source layer's; the calibration stream at BASE still holds layer I's input
         (STREAM: ``_measured_stream``'s result, when already at hand)."""
         c = self.c
-        rope_dim = c.rope_dim if rope_dim is None else rope_dim
+        rope_dim = c.rope_dims[i] if rope_dim is None else rope_dim
         if not self._measures_fold(metrics, rope_dim):
             return c.method, None
         stream = stream or self._measured_stream(i, self.src_layers.layer(i, tensors), base)
@@ -189,21 +189,32 @@ class FoldSteps:
         return err / ref if ref > 0 else err
 
     def _settle_choices(self) -> None:
-        """Once every layer is measured: a measured shared d_R (``rope_choice.choose_rope_dim``) into the run
-        state and the setup, then each layer's fold record at the d_R converted with."""
+        """Once every layer is measured: the measured d_R (``_choose_rope_dims``) into the run state and the setup,
+        then each layer's fold record at the d_R it is converted with."""
         c, st = self.c, self.state
         if len(c.rope_candidates) > 1:
-            self._choose_rope_dim()
-        st["folds"] = {str(i): st["measured"][str(i)][str(c.rope_dim)]["fold"] for i in range(c.n)}
+            self._choose_rope_dims()
+        st["folds"] = {str(i): st["measured"][str(i)][str(d)]["fold"] for i, d in enumerate(c.rope_dims)}
 
-    def _choose_rope_dim(self) -> None:
+    def _choose_rope_dims(self) -> None:
+        """``rope_choice.choose_rope_dim`` on the errors summed over the layers (one shared d_R), or with
+        ``--rope-dim measured-per-layer`` on each layer's own errors (a d_R per layer, by the same rule)."""
         c, st = self.c, self.state
-        per_layer = lambda d, i: st["measured"][str(i)][str(d)]  # noqa: E731
-        search = {d: [sum(per_layer(d, i)["held_out"][k] for i in range(c.n)) for k in (0, 1)]
-                  + [sum(per_layer(d, i)["shuffled"] for i in range(c.n))] for d in c.rope_candidates}
-        st["rope_search"] = {str(d): [round(e, 6) for e in v] for d, v in search.items()}
-        st["rope_dim"] = choose_rope_dim(search, c.reference_rope)
-        c.use_rope_dim(st["rope_dim"], st["rope_search"])
+
+        def errors(d: int, i: int) -> list[float]:  # layer I's at candidate D: held out per fold, then shuffled
+            found = st["measured"][str(i)][str(d)]
+            return found["held_out"] + [found["shuffled"]]
+
+        rounded = lambda found: {str(d): [round(e, 6) for e in v] for d, v in found.items()}  # noqa: E731
+        search = {d: [sum(errors(d, i)[k] for i in range(c.n)) for k in range(3)] for d in c.rope_candidates}
+        st["rope_report"] = {"rope_search": rounded(search)}
+        if c.rope_per_layer:
+            layers = [{d: errors(d, i) for d in c.rope_candidates} for i in range(c.n)]
+            st["rope_dims"] = [choose_rope_dim(found, c.reference_rope) for found in layers]
+            st["rope_report"]["rope_layer_search"] = [rounded(found) for found in layers]
+        else:
+            st["rope_dims"] = [choose_rope_dim(search, c.reference_rope)] * c.n
+        c.use_rope_dims(st["rope_dims"], st["rope_report"])
         sums = ", ".join(f"{d}: {sum(v[:2]):.4f}, {v[2]:.4f}" for d, v in search.items())
-        log.info("--rope-dim measured: d_R %d (summed held-out error per candidate, then on the shuffled "
-                 "sequences: %s)", c.rope_dim, sums)
+        log.info("--rope-dim %s: d_R %s (summed held-out error per candidate, then on the shuffled sequences: %s)",
+                 c.opts.rope_dim, c.plan_report["rope_dim"], sums)

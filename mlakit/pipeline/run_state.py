@@ -14,12 +14,12 @@ import torch
 
 from ..arch import names
 from ..arch.families import attention_shape
-from ..choices import REFINE_FIXED_INPUTS
+from ..choices import MEASURED_ROPE_DIMS, REFINE_FIXED_INPUTS
 from ..convert.assemble import check_source_tensors, mla_config, model_shapes
 from ..convert.calibration import BATCH_SIZE, LOGIT_ROWS, LayerStats, attention_sequences
 from ..convert.engine_target import check_target_shape
 from ..convert.mla_layer import AttentionWeights
-from ..convert.rank_plan import budget_layout, uniform_ranks
+from ..convert.rank_plan import budget_layout, equal_share_ranks, uniform_ranks
 from ..convert.rope_choice import rope_candidates
 from ..io.fingerprint import content_fingerprint
 from ..io.shard_stream import ShardLayout
@@ -49,11 +49,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 9  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+STATE_VERSION = 10 # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
 # 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
 # 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change);
 # 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate);
-# 9: --rope-dim measured also measures each candidate on the shuffled sequences
+# 9: --rope-dim measured also measures each candidate on the shuffled sequences; 10: a measured d_R per layer
 
 
 @dataclass
@@ -141,7 +141,7 @@ class ConversionSetup:
                 continue
             chosen = _concrete_inputs(replace(opts, refine=method))
             refit_tokens = refine_settings(chosen).used(opts.calib_samples) * opts.calib_seq_len
-            work = values_refit_work(self.source.config, shape, rank, self.rope_dim, opts.calib_seq_len,
+            work = values_refit_work(self.source.config, shape, rank, max(self.rope_dims), opts.calib_seq_len,
                                      opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
             if opts.refine == "auto" and work > REFIT_WORK_SHARE:
                 reasons.append(f"--refine {method} over {shape.num_heads} heads at kv_lora_rank {rank} would take about "
@@ -168,23 +168,25 @@ class ConversionSetup:
         self.plan_report: dict = {}
         if opts.kv_budget is not None:
             self.budget = budget = budget_values(opts, shape, n)
-            self.rope_dim, self.rank_budget, self.uniform = self.layout_at(fixed_rope_dim(opts), opts.stock_rope)
+            rope_dim, self.rank_budget, self.uniform = self.layout_at(fixed_rope_dim(opts), opts.stock_rope)
             self.two_pass = opts.allocation in ("planned", "fisher")
             self.ranks = None if self.two_pass else self.uniform
-            self.plan_report = {"allocation": opts.allocation, "rope_dim": self.rope_dim,
+            self.plan_report = {"allocation": opts.allocation, "rope_dim": rope_dim,
                                 "budget_values_per_token": budget}
             # the d_R the statistics pass measures (one: it is given), and the default's
-            self.rope_candidates, self.reference_rope = [self.rope_dim], self.rope_dim
-            if opts.rope_dim == "measured":
+            self.rope_candidates, self.reference_rope = [rope_dim], rope_dim
+            if opts.rope_dim in MEASURED_ROPE_DIMS:
                 if not self.two_pass:
-                    raise ConversionError(f"--rope-dim measured is chosen once every layer has been measured, in "
-                                          f"a two-pass plan; --allocation {opts.allocation} converts each layer "
+                    raise ConversionError(f"--rope-dim {opts.rope_dim} is chosen once every layer has been measured, "
+                                          f"in a two-pass plan; --allocation {opts.allocation} converts each layer "
                                           f"as it goes: use --allocation fisher or planned, or give --rope-dim")
-                self.rope_candidates = rope_candidates(shape.num_kv_heads, shape.head_dim, budget // n, self.rope_dim)
+                self.rope_candidates = rope_candidates(shape.num_kv_heads, shape.head_dim, budget // n, rope_dim)
         else:
-            rank, self.rope_dim = check_ranks(opts, shape)
+            rank, rope_dim = check_ranks(opts, shape)
             self.ranks = [rank] * n
-            self.rope_candidates = [self.rope_dim]
+            self.rope_candidates = [rope_dim]
+        self.rope_dims = [rope_dim] * n  # each layer's d_R (a measured one is chosen after the statistics pass)
+        self.rope_per_layer = opts.rope_dim == "measured-per-layer"
         self.calibrated = needs_calibration(opts, shape)
         self.opts = opts = self._resolve_refine(opts, shape, stream)
         # after the refit is known (auto's latent depends on it); the report and the saved recipe name the method used
@@ -229,15 +231,23 @@ class ConversionSetup:
             raise ConversionError(str(exc)) from exc
         return rope_dim, rank_budget, uniform_ranks(self.n, G, d, rope_dim, rank_budget)
 
-    def use_rope_dim(self, rope_dim: int, search: dict) -> None:
-        """Convert with ROPE_DIM, the candidate the statistics pass chose (``--rope-dim measured``) by the
-        summed errors SEARCH (d_R -> held-out error per validation fold, then on the shuffled sequences), which
-        the report keeps."""
-        if rope_dim not in self.rope_candidates:
-            raise ConversionError(f"d_R {rope_dim} was not measured (candidates {self.rope_candidates}); "
-                                  f"the work directory does not match this conversion: start it afresh")
-        self.rope_dim, self.rank_budget, self.uniform = self.layout_at(rope_dim)
-        self.plan_report |= {"rope_dim": rope_dim, "rope_search": search}
+    def use_rope_dims(self, rope_dims: list[int], report: dict) -> None:
+        """Convert layer i with ROPE_DIMS[i], the candidates the statistics pass chose (a measured --rope-dim:
+        one shared, or one per layer) by the errors in REPORT, which goes into the plan report (``rope_search``:
+        d_R -> summed held-out error per validation fold, then on the shuffled sequences; with d_R per layer also
+        ``rope_layer_search``, each layer's). With d_R per layer every layer keeps the same share of the budget
+        before the allocation moves ranks (``rank_plan.equal_share_ranks``), the share each candidate was
+        measured at."""
+        if len(rope_dims) != self.n or not set(rope_dims) <= set(self.rope_candidates):
+            raise ConversionError(f"d_R {rope_dims} were not measured ({self.n} layers, candidates "
+                                  f"{self.rope_candidates}); the work directory does not match this conversion: "
+                                  f"start it afresh")
+        G, d = self.shape.num_kv_heads, self.shape.head_dim
+        self.rope_dims = list(rope_dims)
+        self.rank_budget = self.budget - sum(rope_dims)
+        self.uniform = equal_share_ranks(G, d, self.budget, self.rope_dims)
+        shared = rope_dims[0] if not self.rope_per_layer else list(rope_dims)
+        self.plan_report |= {"rope_dim": shared} | report
 
     def norm_and_head(self) -> dict[str, torch.Tensor]:
         """The source's final norm weight and LM head (key ``head``), as ``SourceLayers.head`` reads them."""
@@ -257,10 +267,11 @@ class ConversionSetup:
         }
 
     def placeholder_config(self, ranks: list[int], rope_dim: int | None = None):
-        """The MLA config of RANKS at d_R ROPE_DIM (default: the setup's) with the rope frequencies still unknown
-        (they fix no tensor shape)."""
-        half, rope_dim = self.shape.head_dim // 2, self.rope_dim if rope_dim is None else rope_dim
-        layers = [LayerRecord(r, rope_dim, [j % half for j in range(rope_dim // 2)]) for r in ranks]
+        """The MLA config of RANKS at d_R ROPE_DIM in every layer (default: each layer's, ``rope_dims``) with the
+        rope frequencies still unknown (they fix no tensor shape)."""
+        half = self.shape.head_dim // 2
+        dims = self.rope_dims if rope_dim is None else [rope_dim] * self.n
+        layers = [LayerRecord(r, d, [j % half for j in range(d // 2)]) for r, d in zip(ranks, dims)]
         return mla_config(self.source.config, self.shape, layers, self.dtype)
 
     def layout(self, ranks: list[int]) -> tuple[ShardLayout, list[list[str]]]:

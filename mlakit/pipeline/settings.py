@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..arch.families import AttentionShape
-from ..choices import DTYPE_NAMES
+from ..choices import DTYPE_NAMES, MEASURED_ROPE_DIMS
 from ..convert import calibration
 from ..convert.compress import Method
 from ..convert.rank_plan import ALLOCATIONS
@@ -58,11 +58,11 @@ def fixed_rope_dim(opts: ConvertOptions) -> int | None:
 
 
 def check_ranks(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:
-    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim). 'measured' is chosen within a
+    """Resolve 'full' and check ranges: returns (kv_lora_rank, rope_dim). A measured d_R is chosen within a
     budget only (``options``), and stands for every rotary dim here, as 'full' does."""
     G, d = shape.num_kv_heads, shape.head_dim
     rope_full = G * d
-    if opts.rope_dim in ("full", "measured"):
+    if opts.rope_dim in ("full", *MEASURED_ROPE_DIMS):
         rope_dim = rope_full
     else:
         rope_dim = int(opts.rope_dim)

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..arch.families import AttentionShape
+from ..choices import MEASURED_ROPE_DIMS
 from ..convert.assemble import copied_tensors, mla_layer_tensors
 from ..convert.calibration import collect_stats
 from ..convert.compress import compress_layer
@@ -56,8 +57,8 @@ def build_layers(ws, ms, shape: AttentionShape, opts: ConvertOptions, quiet: boo
     opts = resolve_allocation(opts)
     if opts.kv_budget is not None:
         budget = budget_values(opts, shape, n_layers)
-        if opts.rope_dim == "measured":
-            raise ConversionError("--rope-dim measured is chosen in a conversion's statistics pass; here give "
+        if opts.rope_dim in MEASURED_ROPE_DIMS:
+            raise ConversionError(f"--rope-dim {opts.rope_dim} is chosen in a conversion's statistics pass; here give "
                                   "--rope-dim as a number, or leave it to the budget's default share")
         fixed_rope = fixed_rope_dim(opts)
         try:
