@@ -60,7 +60,7 @@ def test_options_are_frozen_and_replace_validates():
         ({"kv_budget": 1.5}, r"--kv-budget (kv_budget) must be a fraction in (0, 1] (or unset); got 1.5"),
         ({"kv_budget": 0}, r"--kv-budget (kv_budget) must be a fraction in (0, 1]"),
         ({"kv_lora_rank": 0}, "--kv-lora-rank (kv_lora_rank) must be 'full' or an integer >= 1; got 0"),
-        ({"rope_dim": "half"}, "--rope-dim (rope_dim) must be 'full', 'measured' or an even integer >= 0; got 'half'"),
+        ({"rope_dim": "half"}, "--rope-dim (rope_dim) must be 'full', 'measured', 'measured-per-layer' or an even integer >= 0; got 'half'"),
         (
             {"rope_method": "best"},
             "--rope-method (rope_method) must be one of 'scored', 'transmla', 'high', ",

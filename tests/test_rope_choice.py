@@ -10,6 +10,7 @@ import torch
 
 from mlakit.convert.rank_plan import equal_share_ranks, uniform_ranks
 from mlakit.convert.rope_choice import MIN_LATENT, choose_rope_dim, rope_candidates, shuffled_sequences
+from mlakit.export import ExportError, export
 from mlakit.io.work_dir import work_dir_for
 from mlakit.mla_model import MLAForCausalLM
 from mlakit.options import OptionsError
@@ -135,6 +136,16 @@ def test_layers_at_different_measured_dims_convert_load_and_keep_the_budget(tiny
     model = MLAForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
     logits = model(torch.randint(0, model.config.vocab_size, (1, 12))).logits
     assert torch.isfinite(logits).all()
+    with pytest.raises(ExportError, match=r"differs across layers .* not measured-per-layer"):
+        export(out, tmp_path / "stock")
+    assert not (tmp_path / "stock").exists()
+
+
+def test_the_stock_export_refuses_a_measured_dim_before_any_work(tiny_sources, tmp_path):
+    code, out = run(tiny_sources["llama_gqa"], tmp_path / "out", "--calib", "random", "--kv-budget", 0.75,
+                    "--rope-dim", "measured-per-layer", "--format", "deepseek-v3")
+    assert code != 0 and "measured-per-layer" in out and "give --rope-dim as a number" in out, out
+    assert not (tmp_path / "out").exists()
 
 
 def test_equal_share_ranks_give_every_layer_the_same_cache_and_match_uniform_at_one_dim():

@@ -121,8 +121,8 @@ def uniform(values: list[int], name: str) -> int:
     if len(set(values)) != 1:
         raise ExportError(
             f"{name} differs across layers ({values}); deepseek-v3 has one {name} for all layers. "
-            f"Re-convert with the same rank in every layer: --allocation uniform with --kv-budget, "
-            f"or --kv-lora-rank N --rope-dim N"
+            f"Re-convert with the same shape in every layer: --allocation uniform with --kv-budget (and --rope-dim "
+            f"a number, or left to the budget's share: not measured-per-layer), or --kv-lora-rank N --rope-dim N"
         )
     return values[0]
 

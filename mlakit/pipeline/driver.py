@@ -73,7 +73,7 @@ from ..convert.rank_plan import ranks_from_curves
 from ..convert.refine import keep_attention_output
 from ..io.shard_stream import Cursor, ShardStreamWriter
 from ..io.work_dir import HiddenStore, WorkDir
-from .fold_steps import FoldSteps, spilled_key, spilled_prep
+from .fold_steps import FoldSteps, spilled_prep
 from .layer_runner import MLALayers, SourceLayers
 from .refine_steps import CONVERTED, LATENTS, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
@@ -155,7 +155,8 @@ class LayerDriver(RefineSteps, FoldSteps):
         sequential, with both fitting in ``KEEP_INPUTS_SHARE`` of the free disk."""
         c = self.c
         need = c.n * (self.store.nbytes(self.n_calib) + self.target_store.nbytes(self.stream_rows)) if self.n_calib else 0
-        self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential and self._disk_allows(need))
+        self.state["kept_inputs"] = bool(c.two_pass and self.refining and not self.sequential
+                                         and self._disk_allows(need))
         self._embed((SOURCE,))
         self.verify_src = self.verify_mla = None
         if self.verify:
@@ -327,8 +328,7 @@ class LayerDriver(RefineSteps, FoldSteps):
     def plan(self) -> None:
         """Planned and fisher allocation: the measured choices, then the ranks from the spilled error curves."""
         c, st = self.c, self.state
-        self._settle_choices()
-        errors = [self.work.load_tensors(f"stats-{i:05d}.pt")[spilled_key(d, "error")] for i, d in enumerate(c.rope_dims)]
+        errors = self._settle_choices()
         try:
             st["ranks"] = ranks_from_curves(errors, st.get("sensitivity", [None] * c.n), c.opts.allocation,
                                             c.uniform, c.rank_budget)

@@ -114,8 +114,8 @@ class FoldSteps:
     @torch.no_grad()
     def _layer_method(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics | None,
                       base: int, rope_dim: int | None = None, stream=None) -> tuple[Method, dict | None]:
-        """The method layer I is converted with at ROPE_DIM (default: the layer's in the setup), and the record of its fold
-        choice (None when none was measured: data-free, a fold or rope method asked for, or a single
+        """The method layer I is converted with at ROPE_DIM (default: the layer's in the setup), and the record of
+        its fold choice (None when none was measured: data-free, a fold or rope method asked for, or a single
         candidate). TENSORS: the source layer's; the calibration stream at BASE still holds layer I's input
         (STREAM: ``_measured_stream``'s result, when already at hand)."""
         c = self.c
@@ -188,13 +188,15 @@ class FoldSteps:
         ref = float(targets.double().square().sum())
         return err / ref if ref > 0 else err
 
-    def _settle_choices(self) -> None:
+    def _settle_choices(self) -> list[torch.Tensor]:
         """Once every layer is measured: the measured d_R (``_choose_rope_dims``) into the run state and the setup,
-        then each layer's fold record at the d_R it is converted with."""
+        then each layer's fold record at the d_R it is converted with; returns each layer's spilled error curve
+        at that d_R (what the rank plan reads)."""
         c, st = self.c, self.state
         if len(c.rope_candidates) > 1:
             self._choose_rope_dims()
         st["folds"] = {str(i): st["measured"][str(i)][str(d)]["fold"] for i, d in enumerate(c.rope_dims)}
+        return [self.work.load_tensors(f"stats-{i:05d}.pt")[spilled_key(d, "error")] for i, d in enumerate(c.rope_dims)]
 
     def _choose_rope_dims(self) -> None:
         """``rope_choice.choose_rope_dim`` on the errors summed over the layers (one shared d_R), or with

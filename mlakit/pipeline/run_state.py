@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 10 # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+STATE_VERSION = 10  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
 # 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
 # 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change);
 # 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate);
@@ -141,8 +141,8 @@ class ConversionSetup:
                 continue
             chosen = _concrete_inputs(replace(opts, refine=method))
             refit_tokens = refine_settings(chosen).used(opts.calib_samples) * opts.calib_seq_len
-            work = values_refit_work(self.source.config, shape, rank, max(self.rope_dims), opts.calib_seq_len,
-                                     opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
+            work = values_refit_work(self.source.config, shape, rank, max(self.rope_dims),
+                                     opts.calib_seq_len, opts.calib_samples * opts.calib_seq_len, refit_tokens, method)
             if opts.refine == "auto" and work > REFIT_WORK_SHARE:
                 reasons.append(f"--refine {method} over {shape.num_heads} heads at kv_lora_rank {rank} would take about "
                                f"{work:.1f}x a layer's forward arithmetic over the calibration (the default allows "
