@@ -20,6 +20,11 @@ beat the default on the same sequences with their tokens shuffled (``shuffled_se
 words without its order, text unlike it that the conversion makes without running the model (the model's own
 samples rank the candidates as unseen text does too, but need the whole model, which a streaming conversion
 never holds). That check is measured, not assumed: docs/results.md, "A check on text unlike the calibration's".
+
+``--rope-dim measured-per-layer`` applies the same rule to each layer's own errors, so d_R may differ between
+layers (``pipeline.fold_steps``). A layer's own attention error does not see what its rotary dims cost the
+layers above; on one model it chose fewer for the first layer than the model's perplexity prefers, so it is
+an option, not the default (docs/results.md, "d_R per layer, converted").
 """
 
 from __future__ import annotations
