@@ -14,16 +14,7 @@ import yaml
 from mlakit.arch import names
 from mlakit.convert import refine_values
 from mlakit.convert.refine import RefineSettings, attention_output
-from mlakit.convert.refine_values import (
-    ValueMoments,
-    add_batch,
-    flat_latents,
-    fold_maps,
-    latent_inputs,
-    refit_values,
-    value_weights,
-)
-from mlakit.convert.refit_moments import with_one
+from mlakit.convert.refine_values import ValueMoments, add_batch, latent_inputs, refit_values
 from mlakit.io.work_dir import STORE_DTYPE, work_dir_for
 from mlakit.pipeline import driver, run_state
 from mlakit.pipeline.api import ConversionError, ConvertOptions, convert, convert_streaming
@@ -145,28 +136,6 @@ def test_refit_reduces_the_loss_of_a_compressed_layer(tiny_sources, family, rank
     assert torch.equal(keys(block.self_attn.kv_b_proj.weight), keys(start[names.attn(names.KV_B_PROJ)]))
     for k, v in built_from.items():  # the tensors the layer was built from are never written
         assert torch.equal(v, snapshot[k]), k
-
-
-@pytest.mark.parametrize("family", ["qwen2", "llama_gqa"])  # qwen2: o_proj without a bias, q/k/v with
-def test_fold_maps_predict_each_fold_as_the_refit_validated_it(tiny_sources, family):
-    """Each fold's map is the fit on the other fold at the validated ridge: its error on that fold, token by token,
-    sums to the report's held-out error there; with no refit kept, the start's map for both."""
-    block, run, x, y, _ = _case(tiny_sources, family, 8, 8)
-    start = value_weights(block.self_attn)
-    moments = ValueMoments()
-    for s in range(0, x.shape[0], 5):
-        add_batch(moments, block, run, x[s : s + 5], y[s : s + 5], s)
-    report = refit_values(block, moments)
-    assert report["kept"] == "values refit", report
-    bias = block.self_attn.o_proj.bias is not None
-    with torch.no_grad():
-        a = with_one(flat_latents(block, run, x), bias).double()  # the scores, and so the latents, are the start's
-    total = float(y.double().square().sum())
-    maps = fold_maps(*start, moments, report["ridge"])
-    for k in (0, 1):
-        err = float((a[k::2] @ maps[k].T - y[k::2].double()).square().sum()) / total
-        assert err == pytest.approx(report["cv_folds_refit"][k], rel=1e-4)
-    assert all(torch.equal(m, refine_values.effective_map(*start)) for m in fold_maps(*start, moments, None))
 
 
 def test_refit_from_too_few_sequences_does_not_hurt_unseen_sequences(tiny_sources):

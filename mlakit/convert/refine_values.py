@@ -48,7 +48,7 @@ _SCORE_BYTES = 1 << 28
 _QUERY_BLOCK = 32
 
 __all__ = [
-    "ValueMoments", "add_batch", "assign_values", "compensating_target", "first_masked_key", "flat_latents", "fold_maps",
+    "ValueMoments", "add_batch", "assign_values", "compensating_target", "first_masked_key", "flat_latents",
     "key_span", "latent_attention", "latent_inputs", "layer_from_latents", "refit_values", "sampled_sequences",
     "value_weights",
 ]
@@ -228,21 +228,6 @@ def assign_values(attn, w_uv: torch.Tensor, w_o: torch.Tensor) -> None:
     o.weight = nn.Parameter(w_o[:, : o.in_features].to(o.weight.dtype).contiguous(), requires_grad=False)
     if o.bias is not None:
         o.bias = nn.Parameter(w_o[:, -1].to(o.bias.dtype).contiguous(), requires_grad=False)
-
-
-def fold_maps(w_uv: torch.Tensor, w_o: torch.Tensor, moments: ValueMoments, ridge: float | None) -> list[torch.Tensor]:
-    """The effective map (D, H r [+1], ``effective_map``) that predicts each validation fold held out: for fold k,
-    the refit of start W_UV, W_O (float64, ``value_weights``) fitted on the other fold of MOMENTS at RIDGE (the
-    grid's ridge a refit validated: ``refit_values``' report "ridge"), the fit whose error on fold k the report's
-    cv_folds_refit holds; the start's own map for both folds when RIDGE is None (no refit kept)."""
-    start = effective_map(w_uv, w_o)
-    if ridge is None:
-        return [start, start]
-    folds = moments.result()
-    H, d = w_uv.shape[:2]
-    bias = w_o.shape[1] > H * d
-    rms = float(w_uv.square().mean().sqrt())
-    return [effective_map(*fit_values(folds[1 - k], ridge, start, H, d, bias, rms)) for k in (0, 1)]
 
 
 def refit_values(block: nn.Module, moments: ValueMoments, start_ridge: float | None = None,

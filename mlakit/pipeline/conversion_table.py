@@ -60,8 +60,8 @@ def conversion_table(summary: dict) -> str:
                                                   for d, errors in summary["rope_search"].items())
                      + " (summed over the layers: attention error held out on each validation fold, then on the "
                        "shuffled sequences; "
-                     + ("each layer's d_R by its held-out error weighed by the loss gradients: the least where it "
-                        "beats the default share's on both folds)" if summary.get("rope_per_layer") else
+                     + ("each layer's d_R is its own least held-out error where that beats the default share's on "
+                        "both folds and shuffled)" if summary.get("rope_per_layer") else
                         "the least held-out sum wins where it beats the default share's on both folds and shuffled)"))
     head = f"{'layer':>5}{'r':>6}{'d_R':>5}"
     if folded:

@@ -18,8 +18,10 @@ each layer from what was spilled, so that per-layer float64 work is done once.
 With ``--fold 0`` each layer's FreqFold (``--rope-dim measured``: and each candidate d_R's error) is measured
 where its metrics are computed (``fold_steps``); a two-pass plan keeps the choices in its run state.
 Fisher allocation also needs each layer's loss sensitivity: the statistics pass keeps every
-layer's input for the first calibration sequences, and a backward sweep from the last layer to the first
-carries the gradient down (``sensitivity_steps``).
+layer's input for the first calibration sequences (``calibration.sensitivity_sequences``), and a backward sweep
+from the last layer to the first recomputes one layer at a time from its kept input and carries
+the gradient down, with labels sampled from the source's own prediction (as
+``calibration.collect_stats`` draws them in one whole-model backward pass).
 
 With ``StreamOptions.sequential`` the driver keeps two hidden-state streams, the source's and
 the converted model's: layer i's statistics are taken on the converted stream, the output of the
@@ -64,7 +66,7 @@ from tqdm.auto import tqdm
 
 from ..arch import names
 from ..convert.assemble import mla_layer_tensors, read_attention
-from ..convert.calibration import LayerStats, layer_accumulator
+from ..convert.calibration import LayerStats, layer_accumulator, logit_gradient
 from ..convert.compress import LayerPrep, compress_layer
 from ..convert.layer_metrics import LayerMetrics, layer_metrics, metrics_from_tensors, metrics_tensors
 from ..convert.rank_plan import ranks_from_curves
@@ -75,7 +77,6 @@ from .fold_steps import FoldSteps, spilled_prep
 from .layer_runner import MLALayers, SourceLayers
 from .refine_steps import CONVERTED, LATENTS, SOURCE, RefineSteps, kept_slot
 from .run_state import ConversionSetup, TensorDict, on_device
-from .sensitivity_steps import SensitivitySteps
 from .settings import ConversionError
 from .verify import layerwise_report, verify_token_ids
 
@@ -98,7 +99,7 @@ class Spilled(NamedTuple):
 KEEP_INPUTS_SHARE = 0.25
 
 
-class LayerDriver(RefineSteps, FoldSteps, SensitivitySteps):
+class LayerDriver(RefineSteps, FoldSteps):
     """Runs the passes over the layers of SETUP, committing STATE to WORK after each layer.
 
     ON_LAYER(phase, index), if given, is called before layer INDEX of PHASE (``"statistics"`` or
@@ -292,6 +293,37 @@ class LayerDriver(RefineSteps, FoldSteps, SensitivitySteps):
                 st["stats_done"] = i + 1
                 self._commit(None)
                 bar.update()
+
+    def sensitivity_sweep(self) -> None:
+        """Fisher allocation: each layer's loss sensitivity, from the last layer down. Each layer is
+        rebuilt from its tensors and run with gradients on its kept input (one sequence at a time);
+        the last layer's output goes through the final norm and the LM head with labels sampled
+        from the source's own prediction, as ``calibration.collect_stats`` draws them."""
+        c, runner = self.c, self.src_layers
+        head = runner.head(c.norm_and_head(), "head")
+        generator = torch.Generator().manual_seed(c.opts.seed)
+        sensitivity, grads = [None] * c.n, None
+        with self._progress("loss sensitivities", 0) as bar:
+            for i in reversed(range(c.n)):
+                layer = runner.layer(i, self._read_layer(i)).requires_grad_(False)
+                probe = self._accumulator(layer)
+                handle = layer.self_attn.register_forward_hook(probe.probe_gradient)
+                try:
+                    kept = self.work.load_tensors(f"sens-{i:05d}.pt")["hidden"].to(c.device, torch.float32)
+                    below = []
+                    for s in range(kept.shape[0]):
+                        x = kept[s : s + 1].requires_grad_()
+                        with torch.enable_grad():
+                            out = runner.forward(layer, x)
+                            out.backward(logit_gradient(head, out, generator) if grads is None else grads[s])
+                        below.append(x.grad)
+                finally:
+                    handle.remove()
+                grads, sensitivity[i] = below, probe.sensitivity()
+                del layer, kept
+                bar.update()
+        self.state["sensitivity"] = sensitivity
+        self._commit(None)
 
     def plan(self) -> None:
         """Planned and fisher allocation: the measured choices, then the ranks from the spilled error curves."""

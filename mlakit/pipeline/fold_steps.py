@@ -11,10 +11,6 @@ conversion runs one, by the refit's error on each held-out validation fold; else
 on each of those halves. Beside it, the converted layer's error on the same sequences with their tokens
 shuffled (``rope_choice.shuffled_sequences``), carried through the source layers in a stream of their own
 (``SHUFFLED`` slots) alongside the statistics pass.
-
-With ``--rope-dim measured-per-layer`` each candidate's held-out error on the first sequences, those the fisher
-sweep runs backward (``calibration.sensitivity_sequences``), is also kept token by token (``weighed_errors``):
-the sweep weighs it by the loss gradient there (``sensitivity_steps``).
 """
 
 from __future__ import annotations
@@ -38,13 +34,13 @@ from ..convert.layer_metrics import LayerMetrics
 from ..convert.mla_layer import AttentionWeights
 from ..convert.rank_plan import error_curve
 from ..convert.refine import attention_and_output, attention_output
-from ..convert.refine_values import ValueMoments, add_batch, fold_maps, refit_values, value_weights
-from ..convert.refit_moments import values_error, with_one
+from ..convert.refine_values import ValueMoments, add_batch, refit_values, value_weights
+from ..convert.refit_moments import values_error
 from ..convert.rope_choice import choose_rope_dim, shuffled_sequences
 from ..io.work_dir import HiddenStore
 from .layer_runner import MLALayers
 
-__all__ = ["FoldSteps", "spilled_key", "spilled_prep", "weighed_errors"]
+__all__ = ["FoldSteps", "spilled_key", "spilled_prep"]
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +51,6 @@ SHUFFLED = "shuffled"
 def spilled_key(rope_dim: int, name: str) -> str:
     """The name of a spilled rotary plan's or error curve's tensor NAME at d_R ROPE_DIM."""
     return f"d{rope_dim}.{name}"
-
-
-def weighed_errors(i: int) -> str:
-    """The work-directory file of layer I's candidates' held-out errors on the sweep's sequences."""
-    return f"sens-errors-{i:05d}.pt"
 
 
 def spilled_prep(tensors: dict[str, torch.Tensor], rope_dim: int, device: str) -> LayerPrep:
@@ -143,42 +134,24 @@ class FoldSteps:
                   "sequences": stream[0].shape[0]}
         return replace(c.method, fold=fold), record
 
-    def _weighed_rows(self) -> int:
-        """How many of the first measured sequences the fisher sweep weighs each candidate's error on (0: none)."""
-        return min(self.c.n_sensitivity, self._measured_rows()) if self.c.rope_per_layer else 0
-
     @torch.no_grad()
-    def _held_out(self, block, run, stream, weighed: int = 0) -> tuple[list[float], torch.Tensor | None]:
+    def _held_out(self, block, run, stream) -> list[float]:
         """BLOCK's relative attention error on each validation fold of STREAM's sequences (k: sequence k % 2),
         after the joint value refit where the conversion runs one (its held-out error, fitted on the other
-        fold), else the closed form's; and the error's vector at every token of the first WEIGHED sequences,
-        each predicted by the same held-out fit (``fold_maps``; None when WEIGHED is 0)."""
+        fold), else the closed form's."""
         inputs, targets = stream
         moments, bs = ValueMoments(), self.c.batch_size
-        start = value_weights(block.self_attn)
-        bias = block.self_attn.o_proj.bias is not None
-        kept = []  # (latents, targets) of the weighed sequences
         for s in range(0, inputs.shape[0], bs):
-            latents = add_batch(moments, block, run, inputs[s : s + bs], targets[s : s + bs], s)
-            if s < weighed:
-                kept.append((latents[: weighed - s], targets[s : min(s + bs, weighed)]))
-        held, ridge = None, None
+            add_batch(moments, block, run, inputs[s : s + bs], targets[s : s + bs], s)
         if self.c.refine is not None and self.c.refine.method == "values":
             report = refit_values(block, moments)
-            refit = report["kept"] == "values refit"
-            held = report.get("cv_folds_refit" if refit else "cv_folds_start")
-            ridge = report["ridge"] if refit else None
-            # held None: no validation ran (the start is exact, or a fold is too short): the refit left BLOCK as is
-        if held is None:
-            folds = moments.result()
-            total = folds[0][2] + folds[1][2]
-            held = [values_error(*start, f) / total for f in folds]
-        if not weighed:
-            return held, None
-        maps = fold_maps(*start, moments, ridge)
-        latents, targets = (torch.cat(t) for t in zip(*kept))
-        errors = torch.stack([with_one(latents[k], bias).double() @ maps[k % 2].T for k in range(weighed)])
-        return held, (errors - targets.double()).to(self.store.dtype)
+            held = report.get("cv_folds_refit" if report["kept"] == "values refit" else "cv_folds_start")
+            if held is not None:
+                return held
+            # no validation ran (the start is exact, or a fold is too short): the refit left BLOCK as it was
+        folds = moments.result()
+        total = folds[0][2] + folds[1][2]
+        return [values_error(*value_weights(block.self_attn), f) / total for f in folds]
 
     def _layer_choices(self, i: int, tensors: dict, w: AttentionWeights, metrics: LayerMetrics,
                        base: int) -> dict[str, torch.Tensor]:
@@ -188,7 +161,6 @@ class FoldSteps:
         c, spill, found = self.c, {}, {}
         measured = len(c.rope_candidates) > 1
         stream = shuffled = None
-        weighed = {}
         if measured:  # one build of the source layer for both streams
             source = self.src_layers.layer(i, tensors)
             stream, shuffled = self._measured_stream(i, source, base), self._shuffled_stream(i, source)
@@ -199,13 +171,11 @@ class FoldSteps:
             found[str(d)] = {"fold": record}
             if measured:
                 block, run = self._converted(i, tensors, w, metrics, method, d, c.layout_at(d)[2][i], prep)
-                found[str(d)]["held_out"], weighed[str(d)] = self._held_out(block, run, stream, self._weighed_rows())
+                found[str(d)]["held_out"] = self._held_out(block, run, stream)  # leaves BLOCK refitted
                 found[str(d)]["shuffled"] = self._relative_error(block, run, shuffled)
             error = error_curve(w, metrics, method, d, prep).cpu()
             spill |= {spilled_key(d, k): v for k, v in (prep_tensors(prep) | {"error": error}).items()}
         self.state.setdefault("measured", {})[str(i)] = found
-        if self._weighed_rows():
-            self.work.save_tensors(weighed_errors(i), weighed)
         return spill
 
     @torch.no_grad()
@@ -230,20 +200,18 @@ class FoldSteps:
 
     def _choose_rope_dims(self) -> None:
         """``rope_choice.choose_rope_dim`` on the errors summed over the layers (one shared d_R), or with
-        ``--rope-dim measured-per-layer`` on each layer's held-out errors weighed by the loss gradients, per
-        validation fold (a d_R per layer: the least, where it beats the default's on both folds)."""
+        ``--rope-dim measured-per-layer`` on each layer's own errors (a d_R per layer, by the same rule)."""
         c, st = self.c, self.state
 
         def errors(d: int, i: int) -> list[float]:  # layer I's at candidate D: held out per fold, then shuffled
             found = st["measured"][str(i)][str(d)]
             return found["held_out"] + [found["shuffled"]]
 
-        # to 6 significant digits: weighed errors are small where the loss gradients are
-        rounded = lambda found: {str(d): [float(f"{e:.6g}") for e in v] for d, v in found.items()}  # noqa: E731
+        rounded = lambda found: {str(d): [round(e, 6) for e in v] for d, v in found.items()}  # noqa: E731
         search = {d: [sum(errors(d, i)[k] for i in range(c.n)) for k in range(3)] for d in c.rope_candidates}
         st["rope_report"] = {"rope_search": rounded(search)}
-        if c.rope_per_layer:  # each layer by its error weighed by the loss gradients (``sensitivity_steps``)
-            layers = [{d: st["measured"][str(i)][str(d)]["weighed"] for d in c.rope_candidates} for i in range(c.n)]
+        if c.rope_per_layer:
+            layers = [{d: errors(d, i) for d in c.rope_candidates} for i in range(c.n)]
             st["rope_dims"] = [choose_rope_dim(found, c.reference_rope) for found in layers]
             st["rope_report"]["rope_layer_search"] = [rounded(found) for found in layers]
         else:

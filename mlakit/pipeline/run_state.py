@@ -49,12 +49,11 @@ log = logging.getLogger(__name__)
 
 __all__ = ["STATE_VERSION", "ConversionSetup", "LayerRecord", "StreamOptions", "TensorDict", "on_device"]
 
-STATE_VERSION = 11  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
+STATE_VERSION = 10  # 2: spilled curves, not their log; 3: source content hashed; 4: every source kind;
 # 5: layer metrics spilled, not the statistics; 6: hidden states in the work directory's STORE_DTYPE;
 # 7: dropped rotary components read by phase-averaged queries (the spilled plans and grams change);
 # 8: spilled plans and curves keyed by their d_R (--rope-dim measured spills one per candidate);
-# 9: --rope-dim measured also measures each candidate on the shuffled sequences; 10: a measured d_R per layer;
-# 11: measured-per-layer weighs each candidate's errors by the sweep's gradients
+# 9: --rope-dim measured also measures each candidate on the shuffled sequences; 10: a measured d_R per layer
 
 
 @dataclass

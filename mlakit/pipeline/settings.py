@@ -128,10 +128,8 @@ def resolve_lowrank(opts: ConvertOptions, shape: AttentionShape) -> ConvertOptio
 
 
 def needs_sensitivity(opts: ConvertOptions) -> bool:
-    """Whether OPTS read the loss gradients of a backward pass: fisher allocation (each layer's loss sensitivity)
-    and ``--rope-dim measured-per-layer`` (each candidate's error weighed by them: ``sensitivity_steps``)."""
-    return opts.kv_budget is not None and (resolve_allocation(opts).allocation == "fisher"
-                                           or opts.rope_dim == "measured-per-layer")
+    """Whether the allocation of OPTS reads each layer's loss sensitivity (a backward pass)."""
+    return opts.kv_budget is not None and resolve_allocation(opts).allocation == "fisher"
 
 
 def sensitivity_sequences(opts: ConvertOptions, n_calib: int) -> int:
