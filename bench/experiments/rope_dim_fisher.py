@@ -23,6 +23,8 @@ measured on the source stream, on the next --held calibration sequences (held ou
   sequences, whole and its diagonal (a metric a conversion could keep per layer, without pairing g and e token by
   token), relative to the same weighting of a.
 
+Each measure's per-layer choices are then judged by the summed ``fisher GPL-3`` at them (``judged``).
+
 ``--detail L,...`` then prints, for those layers, how much the fisher measure moves between groups of 4 sequences
 and between label draws (seeds 0-2), and the measure it stands in for: the KL of the model's prediction, on each
 text, with that layer alone converted at each candidate (the others the source's), and with ``--others D`` also
@@ -113,6 +115,16 @@ def log_probs(model, src: SourceLayers, modules: list, ids: torch.Tensor, conver
     return torch.cat(out)
 
 
+def judged(layers: list[dict], judge: str = "fisher GPL-3") -> dict[str, float]:
+    """JUDGE summed over the layers at each measure's per-layer choice (LAYERS: per layer, measure -> d_R -> value),
+    at the best shared d_R by JUDGE, and at JUDGE's own per-layer choice (what no rule can see)."""
+    out = {m: sum(cells[judge][min(cells[m], key=lambda c, m=m, cells=cells: (cells[m][c], c))] for cells in layers)
+           for m in layers[0]}
+    shared = {c: sum(cells[judge][c] for cells in layers) for c in layers[0][judge]}
+    best = min(shared, key=shared.get)
+    return out | {f"shared d_R {best}": shared[best]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap, calib_samples=128)
@@ -142,7 +154,7 @@ def main() -> None:
     measures = ("error", "fisher", "fisher GPL-3", "fisher shuffled", "mean F", "diag F")
     sums = {m: dict.fromkeys(candidates, 0.0) for m in measures}
     choices = {m: [] for m in measures}
-    src, modules, kept = SourceLayers(st.source.config, st.shape.window), [], {}
+    src, modules, kept, table = SourceLayers(st.source.config, st.shape.window), [], {}, []
     for i, tensors, hidden, target in source_layers(st.source, st.shape, ids):
         modules.append(src.layer(i, tensors))
         cells = {m: {} for m in measures}
@@ -167,6 +179,7 @@ def main() -> None:
                         groups = [fisher_error(grads[s][i][g], out[g], target[g])[0] for g in cut]
                         print(f"  layer {i} d_R {c} {name} seed {s}: sum_t (g.e)^2 per {GROUP} sequences "
                               + " ".join(f"{v:.0f}" for v in groups), flush=True)
+        table.append(cells)
         for m in measures:
             for c in candidates:
                 sums[m][c] += cells[m][c]
@@ -178,6 +191,8 @@ def main() -> None:
         print(f"{m:15s} " + " / ".join(f"{v:.4f}" for v in t.values()) + f"   least: d_R {min(t, key=t.get)}")
     for m in measures:
         print(f"per-layer choice by {m}: {choices[m]}")
+    print("fisher GPL-3 summed at each measure's per-layer choice (the measure named GPL-3 itself: the best any "
+          "per-layer rule could do): " + ", ".join(f"{m} {v:.4f}" for m, v in judged(table).items()))
 
     if detail:
         base = log_probs(model, src, modules, ids, {})
