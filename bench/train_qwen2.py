@@ -3,8 +3,9 @@
     python bench/train_qwen2.py --out /tmp/qwen2-small                       # about 30 minutes on 2 cores
     cd bench && python quality_ablation.py --source /tmp/qwen2-small --budgets 0.3125 --rows 1,2,6 --out DIR
 
-No second real model family installs offline here (README, "Not done yet"), and random weights have no
-attention structure to lose. This trains one instead, with the traits of the Qwen2 family that SmolLM2 lacks:
+When this was written no second real model family was found offline (``fetch_qwen25.py`` fetches one since
+session 46), and random weights have no attention structure to lose. This trains one instead, with the traits
+of the Qwen2 family that SmolLM2 lacks:
 two KV heads of 64 (here shared by two query heads each), biases on q, k and v, rope theta 1e6, rms eps 1e-6,
 tied embeddings, and a vocabulary and training text of its own. It is small (6 layers, hidden 256: sized for
 the compute of a short run on a CPU) and trained briefly (``--steps`` x 8 x 512 tokens), so it is far weaker
